@@ -1,0 +1,10 @@
+"""named-partition: shard JAX programs by name."""
+
+# --- xmap core (issue 2) ---
+from partition._resources import SerialLoop as SerialLoop
+from partition._resources import serial_loop as serial_loop
+from partition._errors import PartitionError as PartitionError
+
+# --- rules engine (issue 3) ---
+
+# --- framework adapters (issue 4) ---

@@ -1,0 +1,62 @@
+"""Exception classes and message builders.
+
+Every user-facing error of the library is built here so that messages share one layout
+(modelled on ``jax.shard_map``'s): a headline naming the API and the user's function, the
+context, one bullet per failing leaf with its keypath, then a fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PartitionError(Exception):
+  """Base class of every error raised by named-partition."""
+
+
+class SpecError(PartitionError, TypeError):
+  """An ``in_axes``/``out_axes`` leaf is not a valid axis specification."""
+
+
+class AxisNameError(PartitionError, ValueError):
+  """An axis name is duplicated, undefined, shadowed or otherwise misused."""
+
+
+class AxisSizeError(PartitionError, ValueError):
+  """Axis sizes are inconsistent, missing, or not divisible by their resources."""
+
+
+class ResourceError(PartitionError, ValueError):
+  """``axis_resources`` names a resource that is missing, repeated or misordered."""
+
+
+class LoopCollectiveError(AxisNameError):
+  """A collective refers to an axis that is mapped to a serial loop."""
+
+
+class OutputAxesError(PartitionError, ValueError):
+  """An output does not match its ``out_axes`` specification."""
+
+
+class MeshError(PartitionError, ValueError):
+  """No usable mesh, or a mesh that does not match what was asked for."""
+
+
+def fun_name(fun) -> str:
+  return getattr(fun, "__qualname__", None) or getattr(fun, "__name__", None) or repr(fun)
+
+
+def format_message(
+    headline: str,
+    *,
+    context: Iterable[str] = (),
+    bullets: Iterable[str] = (),
+    fix: str | None = None,
+) -> str:
+  """Builds an error message: headline, context lines, one bullet per problem, a fix."""
+  lines = [headline]
+  lines += [f"  {c}" for c in context]
+  lines += [f"  * {b}" for b in bullets]
+  if fix:
+    lines.append(fix)
+  return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Recipes: strategy presets, training entry points and configs."""
