@@ -1,0 +1,247 @@
+"""Builds the traced program of one xmap plan: nested ``jax.vmap`` and ``lax.scan`` levels.
+
+``run(args)`` is called inside ``jax.jit`` tracing with the flat positional inputs. Each
+level removes its sub-dim from the inputs and re-inserts it into the outputs:
+
+* a vmap level returns ``(mapped, unmapped)`` with ``out_axes=(0, None)`` (so the output
+  tree need not be known when the vmap is built), then moves each mapped dim to its place;
+  ``Sum``/``Mean`` outputs are ``psum``-ed over the level's axis inside the body;
+* a scan level slices the loop sub-dim as ``xs``, stacks mapped outputs as ``ys`` and
+  accumulates reduced outputs in the carry (zeros sized from one ``jax.eval_shape`` of the
+  user function, taken once per trace).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from partition._errors import OutputAxesError, format_message
+from partition._plan import Label, Level, Plan
+from partition._specs import AxisSpec, Reduction, flatten_specs, placed
+
+_BATCHED_BUT_NONE = re.compile(r"out_axes\[1\]\[(\d+)\].*got axis spec None but output was batched")
+
+
+class Tracer:
+  """State of one trace: the plan, the user function, and what it returned."""
+
+  def __init__(self, plan: Plan, fun: Callable, fun_name: str, in_treedef: Any, out_axes: Any):
+    self.plan = plan
+    self.fun = fun
+    self.fun_name = fun_name
+    self.in_treedef = in_treedef
+    self.out_axes = out_axes
+    self.out_treedef = None
+    self.out_specs: list[AxisSpec | Reduction] = []
+    self.out_paths: list[str] = []
+    self.final_labels: list[tuple[Label, ...]] = []
+    self.out_structs: list[jax.ShapeDtypeStruct] = []
+
+  # -- the user function, on per-example (positional) inputs
+  def call_fun(self, args: Sequence[Any]) -> list[Any]:
+    outs = self.fun(*jax.tree_util.tree_unflatten(self.in_treedef, list(args)))
+    leaves, specs, paths, treedef = flatten_specs(self.out_axes, outs, "out_axes", self.fun_name)
+    leaves = [jnp.asarray(x) for x in leaves]
+    if self.out_treedef is None:
+      self._record_outputs(treedef, specs, paths, leaves)
+    return leaves
+
+  def _record_outputs(self, treedef, specs, paths, leaves):
+    self.out_treedef, self.out_specs, self.out_paths = treedef, specs, paths
+    self.out_structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
+    errors = []
+    for spec, path, x in zip(specs, paths, leaves):
+      labels, error = self._final_labels(placed(spec), x.ndim)
+      self.final_labels.append(labels)
+      if error:
+        errors.append(f"output{path} (per-example shape {x.shape}): {error}")
+    if errors:
+      raise OutputAxesError(format_message(
+          f"xmap({self.fun_name}): outputs do not match out_axes.", bullets=errors,
+          fix="Fix the out_axes entry (end a list with ... to accept any rank), or the "
+              "function's output."))
+
+  def _final_labels(self, spec: AxisSpec, ndim: int) -> tuple[tuple[Label, ...], str | None]:
+    rank = ndim + len(spec.names)
+    if spec.rank is not None and spec.rank != rank:
+      return (), (f"out_axes {spec.user_repr} asserts rank {spec.rank}, but the result has "
+                  f"rank {rank} ({ndim} positional + {len(spec.names)} named dims)")
+    if spec.dims and max(spec.dims) >= rank:
+      return (), (f"out_axes {spec.user_repr} places an axis at dim {max(spec.dims)}, which "
+                  f"needs at least {max(spec.dims) + 1 - len(spec.names)} positional dims, "
+                  f"but the result has {ndim}")
+    labels: list[Label] = []
+    positional = iter(range(ndim))
+    for d in range(rank):
+      name = spec.names[spec.dims.index(d)] if d in spec.dims else None
+      if name is None:
+        labels.append((None, next(positional)))
+      else:
+        labels.extend(lab for lab, _ in self.plan.axes[name].sub_dims())
+    return tuple(labels), None
+
+  # -- per output leaf, what a level does with it
+  def mode(self, j: int, level: Level) -> tuple[str, Label | None]:
+    spec = self.out_specs[j]
+    for label in level.labels:
+      if label[0] in placed(spec).names:
+        return "map", label
+      if isinstance(spec, Reduction) and label[0] in spec.names:
+        return "reduce", label
+    return "none", None
+
+  def labels_after(self, j: int, k: int) -> list[Label]:
+    """Labels of output ``j`` as returned by level ``k`` (levels ``k..`` applied)."""
+    mapped = {lab for level in self.plan.levels[k:]
+              for mode, lab in [self.mode(j, level)] if mode == "map"}
+    return [lab for lab in self.final_labels[j] if lab[0] is None or lab in mapped]
+
+  def struct_after(self, j: int, k: int) -> jax.ShapeDtypeStruct:
+    base = self.out_structs[j]
+    shape = tuple(base.shape[lab[1]] if lab[0] is None else self.plan.label_size(lab)
+                  for lab in self.labels_after(j, k))
+    return jax.ShapeDtypeStruct(shape, base.dtype)
+
+  # -- the levels
+  def run(self, k: int, args: list[Any], labels: list[tuple[Label, ...]]) -> list[Any]:
+    if k == len(self.plan.levels):
+      return self.call_fun(args)
+    level = self.plan.levels[k]
+    if level.kind == "vmap":
+      return self._vmap_level(k, level, args, labels)
+    return self._scan_level(k, level, args, labels)
+
+  def _vmap_level(self, k, level, args, labels):
+    (label,) = level.labels
+    in_axes = tuple(lab.index(label) if label in lab else None for lab in labels)
+    inner = [tuple(x for x in lab if x != label) for lab in labels]
+
+    def body(*xs):
+      outs = self.run(k + 1, list(xs), inner)
+      mapped, unmapped = [], []
+      for j, v in enumerate(outs):
+        mode, _ = self.mode(j, level)
+        if mode == "reduce":
+          v = lax.psum(v, level.bound_name)
+        (mapped if mode == "map" else unmapped).append(v)
+      return mapped, unmapped
+
+    vmapped = jax.vmap(body, in_axes=in_axes, out_axes=(0, None), axis_name=level.bound_name,
+                       axis_size=level.size, spmd_axis_name=level.spmd)
+    try:
+      mapped, unmapped = vmapped(*args)
+    except ValueError as e:
+      match = _BATCHED_BUT_NONE.search(str(e))
+      if not match:
+        raise
+      raise self._varies_error(k, level, int(match.group(1))) from None
+    return self._assemble(k, level, iter(mapped), iter(unmapped))
+
+  def _scan_level(self, k, level, args, labels):
+    if self.out_treedef is None:
+      self._trace_shapes(args, labels)
+    labelset = set(level.labels)
+    where = [next((i for i, x in enumerate(lab) if x in labelset), None) for lab in labels]
+    inner = [tuple(x for x in lab if x not in labelset) for lab in labels]
+    xs = [jnp.moveaxis(a, w, 0) for a, w in zip(args, where) if w is not None]
+    n_out = len(self.out_specs)
+    modes = [self.mode(j, level)[0] for j in range(n_out)]
+    init = [jnp.zeros(s.shape, s.dtype) for j, s in
+            ((j, self.struct_after(j, k + 1)) for j in range(n_out)) if modes[j] != "map"]
+
+    def body(carry, x_slices):
+      it = iter(x_slices)
+      step_args = [next(it) if w is not None else a for a, w in zip(args, where)]
+      outs = self.run(k + 1, step_args, inner)
+      new_carry, ys = [], []
+      c = iter(carry)
+      for v, mode in zip(outs, modes):
+        if mode == "map":
+          ys.append(v)
+        else:
+          prev = next(c)
+          new_carry.append((prev + v if mode == "reduce" else v).astype(prev.dtype))
+      return new_carry, ys
+
+    carry, ys = lax.scan(body, init, xs, length=level.size)
+    return self._assemble(k, level, iter(ys), iter(carry))
+
+  def _assemble(self, k, level, mapped, unmapped):
+    outs = []
+    for j in range(len(self.out_specs)):
+      mode, label = self.mode(j, level)
+      if mode == "map":
+        outs.append(jnp.moveaxis(next(mapped), 0, self.labels_after(j, k).index(label)))
+      else:
+        outs.append(next(unmapped))
+    return outs
+
+  def _trace_shapes(self, args, labels):
+    """Traces the user function once on per-example shapes (for the loop carries)."""
+    structs = [jax.ShapeDtypeStruct(tuple(d for d, lab in zip(jnp.shape(a), ls) if lab[0] is None),
+                                    jnp.result_type(a)) for a, ls in zip(args, labels)]
+    jax.eval_shape(lambda *xs: self.call_fun(xs), *structs)
+
+  def _varies_error(self, k, level, unmapped_index):
+    candidates = [j for j in range(len(self.out_specs)) if self.mode(j, level)[0] != "map"]
+    j = candidates[unmapped_index] if unmapped_index < len(candidates) else None
+    axis = level.labels[0][0]
+    where = f"output{self.out_paths[j]}" if j is not None else "an output"
+    spec = self.out_specs[j] if j is not None else None
+    return OutputAxesError(format_message(
+        f"xmap({self.fun_name}): {where} varies along axis {axis!r}, but its out_axes "
+        f"{spec!r} does not place it.",
+        fix=f"Add {axis!r} to that output's out_axes (e.g. [{axis!r}, ...]), or reduce over "
+            f"it with partition.Sum({axis!r}) / partition.Mean({axis!r})."))
+
+
+def split_inputs(plan: Plan, leaves, specs) -> tuple[list[Any], list[tuple[Label, ...]]]:
+  """Reshapes each named dim into its sub-dims and labels every dim."""
+  out, labels = [], []
+  for x, spec in zip(leaves, specs):
+    shape, labs = [], []
+    for d, size in enumerate(jnp.shape(x)):
+      name = spec.names[spec.dims.index(d)] if d in spec.dims else None
+      if name is None:
+        shape.append(size)
+        labs.append((None, d))
+      else:
+        for lab, sub in plan.axes[name].sub_dims():
+          shape.append(sub)
+          labs.append(lab)
+    out.append(x if tuple(shape) == jnp.shape(x) else jnp.reshape(x, shape))
+    labels.append(tuple(_renumber(labs)))
+  return out, labels
+
+
+def _renumber(labels):
+  """Positional labels count only positional dims: (None, 0), (None, 1), ..."""
+  positional = iter(range(len(labels)))
+  return [(None, next(positional)) if lab[0] is None else lab for lab in labels]
+
+
+def merge_outputs(tracer: Tracer, outs: Sequence[Any]) -> list[Any]:
+  """Merges each named axis' sub-dims back into one dim and finishes ``Mean``."""
+  result = []
+  for j, x in enumerate(outs):
+    shape, labels = [], tracer.final_labels[j]
+    for i, lab in enumerate(labels):
+      if lab[0] is not None and i > 0 and labels[i - 1][0] == lab[0]:
+        shape[-1] *= x.shape[i]
+      else:
+        shape.append(x.shape[i])
+    x = x if tuple(shape) == x.shape else jnp.reshape(x, shape)
+    spec = tracer.out_specs[j]
+    if isinstance(spec, Reduction) and spec.kind == "mean":
+      count = 1
+      for name in spec.names:
+        count *= tracer.plan.axes[name].size
+      x = x / count
+    result.append(x)
+  return result

@@ -1,0 +1,236 @@
+"""Parsing ``in_axes``/``out_axes``: which positional dims of a leaf carry which axis names.
+
+A spec leaf is one of
+
+* a dict ``{positional_dim: 'name'}``, e.g. ``{0: 'batch', 2: 'heads'}``;
+* a list or tuple of names with ``None`` for unnamed dims, e.g. ``['batch', None, 'heads']``
+  (asserts the exact rank) or ``['batch', ...]`` (any rank, names the leading dims);
+* ``{}``, ``[...]`` or ``None``: the leaf has no named dims;
+* in ``out_axes`` only: ``Sum(*names, axes=spec)`` / ``Mean(*names, axes=spec)``, which
+  reduce the output over ``names`` and place the remaining named axes as ``axes`` says.
+
+Specs form a pytree *prefix* of the arguments (or outputs): one spec applies to every array
+of the subtree it stands for. This module is pure Python; nothing here traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from partition._errors import AxisNameError, SpecError, format_message
+
+AxisName = str
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisSpec:
+  """Named dims of one leaf: ``names[i]`` lives at positional dim ``dims[i]``."""
+
+  names: tuple[AxisName, ...]
+  dims: tuple[int, ...]
+  rank: int | None  # asserted rank, or None for "any rank"
+  user_repr: str
+
+  def dim_of(self, name: AxisName) -> int | None:
+    return self.dims[self.names.index(name)] if name in self.names else None
+
+  def __repr__(self) -> str:
+    return self.user_repr
+
+
+UNMAPPED = AxisSpec((), (), None, "{}")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Reduction:
+  """An ``out_axes`` leaf that reduces the output over named axes (base of Sum and Mean)."""
+
+  names: tuple[AxisName, ...]
+  axes: Any
+  kind = "sum"
+
+  def __init__(self, *names: AxisName, axes: Any = None):
+    if not names:
+      raise SpecError(f"{type(self).__name__}() needs at least one axis name to reduce over, "
+                      f"e.g. {type(self).__name__}('batch').")
+    for n in names:
+      if not isinstance(n, str):
+        raise SpecError(f"{type(self).__name__} takes axis names (str), got {n!r}.")
+    if len(set(names)) != len(names):
+      raise AxisNameError(f"{type(self).__name__}{names} names an axis twice.")
+    object.__setattr__(self, "names", tuple(names))
+    object.__setattr__(self, "axes", {} if axes is None else axes)
+    spec = parse_leaf(self.axes, "out_axes")
+    if set(spec.names) & set(names):
+      raise AxisNameError(
+          f"{self!r} both reduces and keeps axes {sorted(set(spec.names) & set(names))}; "
+          "an axis is either reduced (positional args) or placed (axes=).")
+    object.__setattr__(self, "_spec", spec)
+
+  @property
+  def spec(self) -> AxisSpec:
+    return self._spec  # type: ignore[attr-defined]
+
+  def __repr__(self) -> str:
+    args = ", ".join(repr(n) for n in self.names)
+    if self.spec.names:
+      args += f", axes={self.spec.user_repr}"
+    return f"{type(self).__name__}({args})"
+
+  def __hash__(self):
+    return hash((type(self), self.names, self.spec))
+
+  def __eq__(self, other):
+    return type(self) is type(other) and (self.names, self.spec) == (other.names, other.spec)
+
+
+class Sum(Reduction):
+  """``out_axes`` leaf: sum the output over ``names`` wherever those axes live.
+
+  Vectorised axes are summed, mesh axes all-reduced, serial-loop axes accumulated in the
+  loop carry (and all-reduced once after the loop).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import partition
+    >>> f = partition.xmap(lambda x: x * 2, in_axes=['i', ...], out_axes=partition.Sum('i'))
+    >>> float(f(jnp.arange(4.0)))
+    12.0
+  """
+
+  kind = "sum"
+
+
+class Mean(Reduction):
+  """``out_axes`` leaf: average the output over ``names`` (see :class:`Sum`).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import partition
+    >>> f = partition.xmap(lambda x: x, in_axes=['i', ...], out_axes=partition.Mean('i'),
+    ...                    axis_resources={'i': partition.SerialLoop(2)})
+    >>> float(f(jnp.arange(4.0)))
+    1.5
+  """
+
+  kind = "mean"
+
+
+def _is_name(x: Any) -> bool:
+  return isinstance(x, str)
+
+
+def is_spec_leaf(x: Any) -> bool:
+  """Whether ``x`` is a spec leaf rather than a pytree node of specs."""
+  if x is None or isinstance(x, Reduction):
+    return True
+  if isinstance(x, Mapping):
+    return all(isinstance(k, int) and not isinstance(k, bool) for k in x)
+  if isinstance(x, (list, tuple)):
+    return all(e is None or e is Ellipsis or _is_name(e) for e in x)
+  return False
+
+
+_SPEC_HELP = (
+    "A spec leaf is a dict {positional_dim: 'name'} (e.g. {0: 'batch'}), a list of names "
+    "with None for unnamed dims, optionally ending in ... (e.g. ['batch', None, ...]), "
+    "or {} / [...] / None for a leaf without named dims.")
+
+
+def parse_leaf(entry: Any, arg_name: str, where: str = "") -> AxisSpec:
+  """Parses one spec leaf into an :class:`AxisSpec` (``where`` is its keypath)."""
+  at = f"{arg_name}{where}"
+  if entry is None:
+    return UNMAPPED
+  if isinstance(entry, Mapping) and is_spec_leaf(entry):
+    items = sorted(entry.items())
+    for dim, name in items:
+      if dim < 0:
+        raise SpecError(format_message(
+            f"xmap {at} = {entry!r} uses the negative dim {dim}.",
+            fix="Negative dims are ambiguous for named axes; count dims from 0."))
+      if not _is_name(name):
+        raise SpecError(f"xmap {at} = {entry!r}: axis names must be str, got {name!r}.")
+    names = tuple(n for _, n in items)
+    dims = tuple(d for d, _ in items)
+    spec = AxisSpec(names, dims, None, repr(dict(entry)))
+  elif isinstance(entry, (list, tuple)) and is_spec_leaf(entry):
+    body = list(entry)
+    ellipsis = bool(body) and body[-1] is Ellipsis
+    if ellipsis:
+      body = body[:-1]
+    if Ellipsis in body:
+      raise SpecError(format_message(
+          f"xmap {at} = {entry!r} has '...' before its end.",
+          fix="'...' may only close a list spec: ['batch', ...]."))
+    pairs = [(d, n) for d, n in enumerate(body) if n is not None]
+    spec = AxisSpec(tuple(n for _, n in pairs), tuple(d for d, _ in pairs),
+                    None if ellipsis else len(body), _list_repr(entry))
+  else:
+    raise SpecError(format_message(
+        f"xmap {at} has an invalid axis specification: {entry!r}.", fix=_SPEC_HELP))
+  if len(set(spec.names)) != len(spec.names):
+    dup = sorted({n for n in spec.names if spec.names.count(n) > 1})
+    raise AxisNameError(format_message(
+        f"xmap {at} = {entry!r} names axis {dup[0]!r} more than once.",
+        fix="Each named axis can map at most one dim of a value; use distinct names."))
+  return spec
+
+
+def _list_repr(entry: Sequence[Any]) -> str:
+  inner = ", ".join("..." if e is Ellipsis else repr(e) for e in entry)
+  return f"[{inner}]" if isinstance(entry, list) else f"({inner}{',' if len(entry) == 1 else ''})"
+
+
+def canonical_in_axes(in_axes: Any) -> Any:
+  """A top-level list of specs means a tuple (one per argument), as in ``jax.vmap``."""
+  if isinstance(in_axes, list) and not is_spec_leaf(in_axes):
+    return tuple(in_axes)
+  return in_axes
+
+
+def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
+                  ) -> tuple[list[Any], list[Any], list[str], Any]:
+  """Broadcasts a spec prefix over ``tree``.
+
+  Returns ``(leaves, leaf_specs, keypaths, treedef)``: for every leaf of ``tree`` its spec
+  (an :class:`AxisSpec`, or a :class:`Reduction` in ``out_axes``) and its keypath string.
+  """
+  path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  leaves = [leaf for _, leaf in path_leaves]
+  paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
+  spec_paths, spec_leaves_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+  what = "arguments" if arg_name == "in_axes" else "outputs"
+  try:
+    per_leaf = spec_leaves_def.flatten_up_to(tree)
+  except (ValueError, TypeError) as e:
+    raise SpecError(format_message(
+        f"xmap({fun_name}): {arg_name} is not a pytree prefix of the {what}.",
+        context=[f"{arg_name} structure: {spec_leaves_def}", f"actual structure: {treedef}",
+                 f"details: {e}"],
+        fix=f"Give {arg_name} the same container structure as the {what} (for in_axes: a "
+            "tuple, one entry per argument), or a single spec that applies to all of them."
+    )) from None
+  parsed: list[Any] = []
+  for (spec_path, raw), subtree in zip(spec_paths, per_leaf):
+    where = jax.tree_util.keystr(spec_path)
+    spec = raw if isinstance(raw, Reduction) else parse_leaf(raw, arg_name, where)
+    if isinstance(raw, Reduction) and arg_name != "out_axes":
+      raise SpecError(f"xmap {arg_name}{where} = {raw!r}: Sum/Mean only make sense in out_axes.")
+    parsed.extend([spec] * len(jax.tree_util.tree_leaves(subtree)))
+  return leaves, parsed, paths, treedef
+
+
+def spec_names(spec: AxisSpec | Reduction) -> tuple[AxisName, ...]:
+  """All axis names a spec mentions (placed and reduced)."""
+  if isinstance(spec, Reduction):
+    return spec.names + spec.spec.names
+  return spec.names
+
+
+def placed(spec: AxisSpec | Reduction) -> AxisSpec:
+  return spec.spec if isinstance(spec, Reduction) else spec

@@ -1,0 +1,282 @@
+"""``partition.xmap``: run a function over named axes, placed on a mesh, loops, or vectors.
+
+Inside the mapped function, named dims are gone from the positional shapes and ``jax.lax``
+collectives (``psum``, ``pmean``, ``all_gather``, ``axis_index``, ``ppermute``, ...) refer to
+them by name, exactly as under ``jax.vmap(axis_name=...)``. ``axis_resources`` decides only
+*where* each axis is computed: vectorised (default), sharded over mesh axes, or split into
+sequential chunks by serial loops. It never changes the results.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import partition
+  >>> def matvec(w, x):            # w: [out, in] per example? no: w is shared, x per example
+  ...   return w @ x
+  >>> f = partition.xmap(matvec, in_axes=([...], ['batch', ...]), out_axes=['batch', ...])
+  >>> f(jnp.eye(3), jnp.ones((5, 3))).shape
+  (5, 3)
+
+  Gradient accumulation over 4 micro-batches, averaged over the batch:
+
+  >>> loss = lambda w, x: jnp.sum((x @ w) ** 2)
+  >>> g = partition.xmap(jax.grad(loss), in_axes=([...], ['batch', ...]),
+  ...                    out_axes=partition.Mean('batch'),
+  ...                    axis_resources={'batch': partition.SerialLoop(4)})
+  >>> g(jnp.ones((3, 2)), jnp.ones((8, 3))).shape
+  (3, 2)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from partition import _mesh
+from partition._errors import (
+  AxisNameError,
+  LoopCollectiveError,
+  SpecError,
+  format_message,
+  fun_name,
+)
+from partition._plan import (
+  Plan,
+  build_plan,
+  check_cooccurrence,
+  check_divisible,
+  infer_sizes,
+  normalize_resources,
+)
+from partition._program import Tracer, merge_outputs, split_inputs
+from partition._specs import (
+  AxisSpec,
+  Reduction,
+  canonical_in_axes,
+  flatten_specs,
+  is_spec_leaf,
+  parse_leaf,
+  placed,
+  spec_names,
+)
+
+
+def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
+         axis_sizes: Mapping[str, int] | None = None,
+         axis_resources: Any = None,
+         donate_argnums: int | Sequence[int] = (),
+         mesh: jax.sharding.Mesh | None = None) -> XMapped:
+  """Maps ``fun`` over named axes.
+
+  Args:
+    fun: the function to map; it sees its arguments with the named dims removed.
+    in_axes: a pytree prefix of the argument tuple. Each leaf is ``{dim: 'name'}``, a list of
+      names with ``None`` for unnamed dims (asserting the rank) optionally ending in ``...``,
+      or ``{}`` / ``[...]`` / ``None`` for no named dims.
+    out_axes: a pytree prefix of the outputs, with the same leaves as ``in_axes`` plus
+      ``partition.Sum(*names, axes=...)`` / ``partition.Mean(...)`` to reduce over axes.
+      An output that does not vary along a placed axis is broadcast; one that varies along
+      an axis it does not place is an error.
+    axis_sizes: sizes of axes (required for axes that no input carries; checked otherwise).
+    axis_resources: ``{axis: resources}`` where resources are a mesh axis, a tuple of mesh
+      axes, ``SerialLoop(n)``, a name bound by ``serial_loop(name, n)``, or a tuple mixing
+      them (mesh axes first); or an ``AxisRules`` table resolving the axis names.
+    donate_argnums: positional arguments whose buffers may be reused, as in ``jax.jit``.
+    mesh: the device mesh; defaults to the one set by ``jax.set_mesh``.
+
+  Returns:
+    A callable with the signature of ``fun`` taking and returning positional arrays, with
+    a ``.lower(*args)`` method returning ``jax.stages.Lowered``.
+
+  Raises:
+    SpecError, AxisNameError, AxisSizeError, ResourceError, MeshError, OutputAxesError:
+      (``TypeError`` / ``ValueError`` subclasses) naming the offending leaf and the fix.
+  """
+  return XMapped(fun, in_axes, out_axes, axis_sizes=axis_sizes, axis_resources=axis_resources,
+                 donate_argnums=donate_argnums, mesh=mesh)
+
+
+class XMapped:
+  """The result of :func:`xmap`: call it, or ``.lower(*args)`` it."""
+
+  def __init__(self, fun, in_axes, out_axes, *, axis_sizes, axis_resources, donate_argnums,
+               mesh):
+    if not callable(fun):
+      raise TypeError(f"xmap expects a callable as its first argument, got {fun!r}.")
+    self._fun = fun
+    self._name = fun_name(fun)
+    if out_axes == ():
+      raise SpecError(f"xmap({self._name}): out_axes=() means no outputs; xmapped functions "
+                      "must return something.")
+    self._in_axes = canonical_in_axes(in_axes)
+    self._out_axes = out_axes
+    self._axis_sizes = dict(axis_sizes or {})
+    self._axis_resources = axis_resources
+    self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    self._mesh = mesh
+    self._out_names = _static_out_names(out_axes, self._name)
+    self._cache: dict[Any, Any] = {}
+    functools.update_wrapper(self, fun)
+
+  def __repr__(self) -> str:
+    return (f"xmap({self._name}, in_axes={self._in_axes!r}, out_axes={self._out_axes!r}, "
+            f"axis_resources={self._axis_resources!r})")
+
+  def __call__(self, *args):
+    jitted, targets = self._prepare(args)
+    return jitted(*_place(args, targets))
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``s)."""
+    jitted, targets = self._prepare(args)
+    return jitted.lower(*_place(args, targets))
+
+  # ------------------------------------------------------------------ planning
+
+  def _prepare(self, args):
+    leaves, specs, paths, treedef = flatten_specs(self._in_axes, args, "in_axes", self._name)
+    mesh = _mesh.current_mesh(self._mesh)
+    key = (treedef, tuple(specs), tuple((np.shape(x), _dtype(x)) for x in leaves), mesh,
+           _loops_key())
+    hit = self._cache.get(key)
+    if hit is None:
+      plan = self._plan(leaves, specs, paths, mesh)
+      hit = self._cache[key] = self._compile(plan, treedef, specs)
+    return hit
+
+  def _plan(self, leaves, specs, paths, mesh) -> Plan:
+    names = _defined_names(specs, self._axis_sizes)
+    undefined = sorted(self._out_names - set(names))
+    if undefined:
+      raise AxisNameError(format_message(
+          f"xmap({self._name}): out_axes names axes {undefined} that are not defined.",
+          context=[f"defined axes (from in_axes and axis_sizes): {names}"],
+          fix="Every out_axes name must appear in in_axes or axis_sizes."))
+    sizes, source = infer_sizes(leaves, specs, paths, self._axis_sizes, names, self._name)
+    resources = normalize_resources(self._axis_resources, names, sizes, mesh, self._name)
+    axes = check_divisible(resources, sizes, source, mesh, self._name)
+    check_cooccurrence(specs, [f"argument{p}" for p in paths], axes, self._name)
+    out_specs = _static_out_specs(self._out_axes)
+    check_cooccurrence(out_specs, [f"out_axes entry {s!r}" for s in out_specs], axes, self._name)
+    return build_plan(axes, mesh)
+
+  def _compile(self, plan: Plan, in_treedef, specs):
+    mesh = plan.mesh
+    has_mesh = mesh is not None and any(a.mesh_axes for a in plan.axes.values())
+    in_shardings = tuple(_sharding(plan, s, mesh) for s in specs) if has_mesh else None
+
+    def program(*args):
+      leaves = jax.tree_util.tree_leaves(args)
+      _check_not_shadowing(plan, self._name)
+      tracer = Tracer(plan, self._fun, self._name, in_treedef, self._out_axes)
+      split, labels = split_inputs(plan, leaves, specs)
+      try:
+        outs = tracer.run(0, split, labels)
+      except NameError as e:
+        raise _loop_collective_error(e, plan, self._name) from None
+      outs = merge_outputs(tracer, outs)
+      if has_mesh:
+        outs = [_constrain(x, _sharding(plan, placed(s), mesh), mesh)
+                for x, s in zip(outs, tracer.out_specs)]
+      return jax.tree_util.tree_unflatten(tracer.out_treedef, outs)
+
+    program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
+    flat_in = None
+    if in_shardings is not None:
+      flat_in = jax.tree_util.tree_unflatten(in_treedef, list(in_shardings))
+    jitted = jax.jit(program, in_shardings=flat_in if flat_in is not None else None,
+                     donate_argnums=self._donate)
+    return jitted, in_shardings
+
+
+def _dtype(x):
+  return getattr(x, "dtype", type(x))
+
+
+def _loops_key():
+  from partition._resources import named_loops
+  return tuple(sorted(named_loops().items()))
+
+
+def _defined_names(specs: Sequence[AxisSpec], axis_sizes: Mapping[str, int]) -> list[str]:
+  names: dict[str, None] = {}
+  for spec in specs:
+    names.update(dict.fromkeys(spec.names))
+  names.update(dict.fromkeys(axis_sizes))
+  return list(names)
+
+
+def _static_out_specs(out_axes) -> list[AxisSpec | Reduction]:
+  raw = jax.tree_util.tree_leaves(out_axes, is_leaf=is_spec_leaf)
+  return [r if isinstance(r, Reduction) else parse_leaf(r, "out_axes") for r in raw]
+
+
+def _static_out_names(out_axes, name) -> set[str]:
+  try:
+    return {n for s in _static_out_specs(out_axes) for n in spec_names(s)}
+  except SpecError:
+    raise
+  except Exception as e:  # pragma: no cover - unusual containers
+    raise SpecError(f"xmap({name}): cannot read out_axes {out_axes!r}: {e}") from None
+
+
+def _sharding(plan: Plan, spec: AxisSpec, mesh) -> NamedSharding:
+  rank = None
+  entries: dict[int, Any] = {}
+  for name, dim in zip(spec.names, spec.dims):
+    entries[dim] = plan.mesh_spec_entry([name])
+  rank = max(entries) + 1 if entries else 0
+  return NamedSharding(mesh, PartitionSpec(*(entries.get(d) for d in range(rank))))
+
+
+def _constrain(x, sharding: NamedSharding, mesh):
+  if _mesh.explicit_axes(mesh):
+    return jax.sharding.reshard(x, sharding)
+  return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def _place(args, targets):
+  """Moves committed concrete inputs whose sharding differs onto the planned sharding."""
+  if targets is None:
+    return args
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  placed_leaves = []
+  for x, target in zip(leaves, targets):
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed \
+        and not x.sharding.is_equivalent_to(target, x.ndim):
+      x = jax.device_put(x, target)
+    placed_leaves.append(x)
+  return jax.tree_util.tree_unflatten(treedef, placed_leaves)
+
+
+def _check_not_shadowing(plan: Plan, name: str) -> None:
+  bound = []
+  for axis in plan.axes:
+    try:
+      jax.lax.axis_size(axis)
+    except NameError:
+      continue
+    bound.append(axis)
+  if bound:
+    raise AxisNameError(format_message(
+        f"xmap({name}): axis names {bound} are already bound by an enclosing xmap/vmap.",
+        context=["Collectives over them would be ambiguous (the inner name would shadow the "
+                 "outer one)."],
+        fix="Rename the inner axes."))
+
+
+def _loop_collective_error(e: NameError, plan: Plan, name: str) -> Exception:
+  looped = [a for a in plan.loop_axes if a in str(e)]
+  if not looped:
+    return e
+  axis = looped[0]
+  return LoopCollectiveError(format_message(
+      f"xmap({name}): a collective (psum, axis_index, all_gather, ...) refers to axis "
+      f"{axis!r}, which is mapped to a serial loop {plan.axes[axis].resources_repr()}.",
+      context=["Loop iterations run one after another, so there is no axis to communicate "
+               "over inside the function."],
+      fix=f"Reduce over it in out_axes instead, e.g. out_axes=partition.Sum({axis!r}) or "
+          f"partition.Mean({axis!r}); or map {axis!r} to mesh axes / no resources."))
