@@ -9,5 +9,13 @@ from partition._specs import Sum as Sum
 from partition._xmap import xmap as xmap
 
 # --- rules engine (issue 3) ---
+from partition._config import ConfigError as ConfigError
+from partition._config import RulesError as RulesError
+from partition._context import axis_rules as axis_rules
+from partition._context import current_rules as current_rules
+from partition._context import current_rules_mesh as current_rules_mesh
+from partition._resolve import Resolution as Resolution
+from partition._resolve import ResolutionError as ResolutionError
+from partition._rules import AxisRules as AxisRules
 
 # --- framework adapters (issue 4) ---
