@@ -9,7 +9,7 @@ sequential chunks by serial loops. It never changes the results.
 Example:
   >>> import jax, jax.numpy as jnp
   >>> import partition
-  >>> def matvec(w, x):            # w: [out, in] per example? no: w is shared, x per example
+  >>> def matvec(w, x):  # w is shared, x is one example: the 'batch' dim is gone
   ...   return w @ x
   >>> f = partition.xmap(matvec, in_axes=([...], ['batch', ...]), out_axes=['batch', ...])
   >>> f(jnp.eye(3), jnp.ones((5, 3))).shape
