@@ -196,7 +196,7 @@ def _try(value, dim, used, mesh_sizes, loops, named_loops):
   factor = math.prod(mesh_sizes[a] for a in axes) if mesh_sizes is not None else 1
   factor *= math.prod(named_loops[x] if isinstance(x, str) else x.length for x in loop_list)
   if dim.size is not None and dim.size % factor:
-    return INDIVISIBLE, f"size {dim.size} is not a multiple of {factor}", None, missing
+    return INDIVISIBLE, f"size {dim.size}, needs a multiple of {factor}", None, missing
   return FIRED, "; ".join(notes), tuple(axes) + tuple(loop_list), missing
 
 

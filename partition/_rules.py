@@ -19,7 +19,7 @@ shape and a mesh the resolver also skips candidates that do not divide the dim; 
 >>> print(rules.resolve(('batch', 'embed'), shape=(6, 16), mesh=mesh))
 ('batch', 'embed') -> P('data', 'fsdp')
   dim 0 'batch' (size 6) -> 'data'
-    rule #0 ('data', 'fsdp'): not divisible (size 6 is not a multiple of 8)
+    rule #0 ('data', 'fsdp'): not divisible (size 6, needs a multiple of 8)
     rule #3 'data': fired
   dim 1 'embed' (size 16) -> 'fsdp'
     rule #1 'fsdp': fired
@@ -236,8 +236,8 @@ class AxisRules:
     failing leaves are reported together, by keypath.
     """
     return map_axes_tree(
-        lambda axes, shape: self.spec(axes, shape, mesh, strict), axes_tree, shapes,
-        "AxisRules.tree_specs")
+        lambda _, axes, leaf: self.spec(axes, None if leaf is None else leaf.shape, mesh,
+                                        strict), axes_tree, shapes, "AxisRules.tree_specs")
 
   def tree_shardings(self, axes_tree: Any, mesh: AnyMesh | None, shapes: Any = None,
                      strict: bool = False) -> Any:
@@ -293,7 +293,7 @@ def _need_mesh(mesh: AnyMesh | None, api: str) -> AnyMesh:
 
 
 def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
-  """Maps ``fn(axes, shape)`` over the leaves of ``axes_tree``; collects failures."""
+  """Maps ``fn(keypath, axes, leaf_or_None)`` over ``axes_tree``; collects failures."""
   problems: list[str] = []
   kinds: set[type] = set()
 
@@ -304,7 +304,7 @@ def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
                       f"{type(leaf).__name__}")
       return PartitionSpec()
     try:
-      return fn(axes, None if leaf is None else tuple(leaf.shape))
+      return fn(path, axes, leaf)
     except RulesError as e:
       kinds.add(type(e))
       problems.append(f"{where}: " + str(e).strip().replace("\n", "\n    "))

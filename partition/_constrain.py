@@ -1,0 +1,99 @@
+"""Sharding constraints on activations, by logical name.
+
+``partition.constrain(x, ('batch', 'length', 'embed'))`` resolves the names through the rules
+in scope and pins ``x``'s sharding: ``jax.lax.with_sharding_constraint`` on ``Auto`` mesh
+axes, ``jax.sharding.reshard`` on ``Explicit`` ones (JAX rejects the former there). Unlike
+``flax.linen.with_logical_constraint``, it is a no-op only when there is no mesh at all
+(single-device code); a mesh without rules is an error, never a silent no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from partition._context import current_rules, current_rules_mesh
+from partition._errors import PartitionError, format_message
+from partition._mesh import AnyMesh, describe, explicit_axes
+from partition._rules import LogicalAxes, is_axes_leaf, map_axes_tree
+
+
+class NoRulesError(PartitionError, ValueError):
+  """Sharding by logical name was asked for under a mesh, but no rules are in scope."""
+
+
+def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
+              mesh: AnyMesh | None = None, strict: bool = False) -> Any:
+  """Constrains ``x`` to the sharding its logical axes resolve to.
+
+  Args:
+    x: an array (or tracer), or a pytree of them.
+    logical_axes: one name (or ``None``) per dim of ``x``, e.g. ``('batch', None, 'embed')``;
+      for a pytree ``x``, a matching pytree of such tuples (``None`` leaf = replicated).
+    rules: an :class:`AxisRules` (or pairs / a file path); default: ``axis_rules`` context.
+    mesh: default: the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh.
+    strict: resolve with ``strict=True`` (unknown names and indivisible dims raise).
+
+  Returns:
+    ``x`` with its sharding constrained; ``x`` itself when no mesh is in scope.
+
+  Raises:
+    NoRulesError: a mesh is in scope but no rules are.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, partition
+    >>> mesh = jax.make_mesh((4, 2), ('data', 'tensor'),
+    ...                      axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    >>> rules = partition.AxisRules([('batch', 'data'), ('embed', 'tensor')])
+    >>> @jax.jit
+    ... def f(x):
+    ...   return partition.constrain(x * 2, ('batch', 'embed'))
+    >>> with partition.axis_rules(rules, mesh):
+    ...   y = f(jnp.ones((8, 4)))
+    >>> y.sharding.spec
+    P('data', 'tensor')
+    >>> partition.constrain(jnp.ones(3), ('batch',)).shape  # no mesh: no-op
+    (3,)
+  """
+  found_mesh = current_rules_mesh(mesh)
+  if found_mesh is None:
+    return x
+  found_rules = current_rules(rules)
+  if found_rules is None:
+    raise NoRulesError(format_message(
+        f"partition.constrain(x, {logical_axes!r}) found a mesh but no axis rules, so it "
+        "cannot tell where the logical axes live.",
+        context=[describe(found_mesh)],
+        fix="Wrap the code in `with partition.axis_rules(rules):`, or pass "
+            "rules=partition.AxisRules([...]) (or a rules file path)."))
+  if is_axes_leaf(logical_axes):
+    specs = map_axes_tree(lambda _, axes, leaf: found_rules.spec(
+        axes, leaf.shape, found_mesh, strict), [logical_axes], [x], "partition.constrain")[0]
+    return _apply(x, specs, found_mesh)
+  specs = map_axes_tree(
+      lambda _, axes, leaf: found_rules.spec(axes, leaf.shape, found_mesh, strict),
+      logical_axes, x, "partition.constrain")
+  return jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
+                      is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
+  """The part of ``spec`` that uses only mesh axes in ``axes``."""
+  def keep(entry):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      return entry
+    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in axes)
+    return None if not names else names[0] if len(names) == 1 else names
+  return PartitionSpec(*(keep(e) for e in spec))
+
+
+def _apply(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
+  explicit = explicit_axes(mesh)
+  auto = frozenset(mesh.axis_names) - explicit
+  if explicit:
+    x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))
+  if auto:
+    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only(spec, auto)))
+  return x
