@@ -11,9 +11,13 @@ from partition._xmap import xmap as xmap
 # --- rules engine (issue 3) ---
 from partition._config import ConfigError as ConfigError
 from partition._config import RulesError as RulesError
+from partition._constrain import NoRulesError as NoRulesError
+from partition._constrain import constrain as constrain
 from partition._context import axis_rules as axis_rules
 from partition._context import current_rules as current_rules
 from partition._context import current_rules_mesh as current_rules_mesh
+from partition._explain import ExplainReport as ExplainReport
+from partition._explain import explain as explain
 from partition._resolve import Resolution as Resolution
 from partition._resolve import ResolutionError as ResolutionError
 from partition._rules import AxisRules as AxisRules
