@@ -137,12 +137,13 @@ class XMapped:
   # ------------------------------------------------------------------ planning
 
   def _prepare(self, args):
-    leaves, specs, paths, treedef = flatten_specs(self._in_axes, args, "in_axes", self._name)
+    # Hot path: one C++ flatten and a dict lookup; specs are re-read only on a miss.
+    leaves, treedef = jax.tree_util.tree_flatten(args)
     mesh = _mesh.current_mesh(self._mesh)
-    key = (treedef, tuple(specs), tuple((np.shape(x), _dtype(x)) for x in leaves), mesh,
-           _loops_key())
+    key = (treedef, tuple(_shape_dtype(x) for x in leaves), mesh, _loops_key())
     hit = self._cache.get(key)
     if hit is None:
+      leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
       plan = self._plan(leaves, specs, paths, mesh)
       hit = self._cache[key] = self._compile(plan, treedef, specs)
     return hit
@@ -192,8 +193,9 @@ class XMapped:
     return jitted, in_shardings
 
 
-def _dtype(x):
-  return getattr(x, "dtype", type(x))
+def _shape_dtype(x):
+  shape = getattr(x, "shape", None)
+  return (tuple(shape), x.dtype) if shape is not None else (np.shape(x), type(x))
 
 
 def _loops_key():
@@ -243,13 +245,19 @@ def _place(args, targets):
   if targets is None:
     return args
   leaves, treedef = jax.tree_util.tree_flatten(args)
-  placed_leaves = []
-  for x, target in zip(leaves, targets):
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed \
-        and not x.sharding.is_equivalent_to(target, x.ndim):
-      x = jax.device_put(x, target)
-    placed_leaves.append(x)
-  return jax.tree_util.tree_unflatten(treedef, placed_leaves)
+  moved = False
+  for i, (x, target) in enumerate(zip(leaves, targets)):
+    if _needs_move(x, target):
+      leaves[i] = jax.device_put(x, target)
+      moved = True
+  return jax.tree_util.tree_unflatten(treedef, leaves) if moved else args
+
+
+def _needs_move(x, target) -> bool:
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+    return False
+  sharding = x.sharding
+  return sharding != target and not sharding.is_equivalent_to(target, x.ndim)
 
 
 def _check_not_shadowing(plan: Plan, name: str) -> None:

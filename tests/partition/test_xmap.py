@@ -286,3 +286,35 @@ def test_no_retrace_on_equal_shapes():
   assert len(calls) == n
   f(jnp.arange(32.0))
   assert len(calls) > n
+
+
+@pytest.mark.parametrize("variant", ["none", "mesh1d", "loop", "mesh_loop"])
+@types
+def test_outer_vmap_with_spmd_axis_name(variant, axis_type):
+  """An outer vmap sharded over the mesh axis 'y' that xmap's resources leave free."""
+  w, x = _data()
+  xs = np.stack([x, 2 * x])
+  with _scope(variant, axis_type):
+    f = _xmapped(variant, axis_type)
+    got = jax.jit(jax.vmap(f, in_axes=(None, 0), spmd_axis_name="y"))(w, xs)
+  want = jax.vmap(positional_fun, in_axes=(None, 0))(w, xs)
+  _assert_trees_close(got, want)
+
+
+@params
+@types
+def test_value_and_grad_of_mean_loss(variant, axis_type):
+  """Gradient accumulation as users write it: Mean over the batch of per-example grads."""
+  w, x = _data()
+
+  def loss(w, x):  # w: [F, D] shared, x: [D] one example
+    return jnp.sum(jnp.tanh(w @ x) ** 2)
+
+  resources = {k: v for k, v in VARIANTS[variant].items() if k == "b"}
+  with _scope(variant, axis_type):
+    f = xmap(jax.value_and_grad(loss), ([...], ["b", ...]), (Mean("b"), Mean("b")),
+             axis_resources=resources, mesh=_mesh(axis_type))
+    value, grad = f(w, x)
+  want_value, want_grad = jax.value_and_grad(
+      lambda w: jnp.mean(jax.vmap(loss, in_axes=(None, 0))(w, x)))(w)
+  _assert_trees_close((value, grad), (want_value, want_grad))
