@@ -209,7 +209,8 @@ def _strict_problems(pairs, dims, mesh_sizes) -> list[str]:
     if d.logical not in known:
       out.append(f"dim {d.index}: logical axis {d.logical!r} has no rule"
                  f"{did_you_mean(d.logical, known)}")
-    elif d.rule is None and any(a.outcome == INDIVISIBLE for a in d.attempts):
+    elif not any(a.outcome == FIRED for a in d.attempts) and any(
+        a.outcome == INDIVISIBLE for a in d.attempts):
       tried = "; ".join(a.detail for a in d.attempts if a.outcome == INDIVISIBLE)
       out.append(f"dim {d.index} {d.logical!r}: no rule divides it ({tried})")
   return out
