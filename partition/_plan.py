@@ -182,7 +182,7 @@ def normalize_resources(axis_resources: Any, names: Sequence[str], sizes: Mappin
   out = {}
   for name in names:
     raw = axis_resources.get(name, ())
-    entries = raw if isinstance(raw, tuple) else (() if raw is None else (raw,))
+    entries = tuple(raw) if isinstance(raw, (tuple, list)) else (() if raw is None else (raw,))
     mesh_axes: list[str] = []
     loops: list[Loop] = []
     for i, r in enumerate(entries):

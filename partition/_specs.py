@@ -200,6 +200,9 @@ def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
   Returns ``(leaves, leaf_specs, keypaths, treedef)``: for every leaf of ``tree`` its spec
   (an :class:`AxisSpec`, or a :class:`Reduction` in ``out_axes``) and its keypath string.
   """
+  if (isinstance(specs, list) and not is_spec_leaf(specs) and isinstance(tree, tuple)
+      and len(specs) == len(tree)):
+    specs = tuple(specs)  # a list of specs for a tuple of values, as users often write it
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [leaf for _, leaf in path_leaves]
   paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
