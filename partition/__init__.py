@@ -23,3 +23,10 @@ from partition._resolve import ResolutionError as ResolutionError
 from partition._rules import AxisRules as AxisRules
 
 # --- framework adapters (issue 4) ---
+from partition._logical_axes import Annotated as Annotated
+from partition._logical_axes import LogicalAxesError as LogicalAxesError
+from partition._logical_axes import logical_axes as logical_axes
+from partition._logical_axes import unbox as unbox
+from partition._path_rules import PathMatch as PathMatch
+from partition._path_rules import PathRules as PathRules
+from partition._path_rules import PathRulesError as PathRulesError

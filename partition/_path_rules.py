@@ -1,0 +1,248 @@
+"""Path rules: logical axes for parameters of code you cannot edit.
+
+A :class:`PathRules` table is an ordered list of ``(regex, logical_axes)`` pairs. Each
+parameter's path is its pytree key path joined by ``/`` — ``params/Dense_0/kernel`` for
+linen variables, ``layers/0/kernel`` for an NNX state, ``mlp/~/linear_0/w`` for Haiku
+params — and the first pattern that matches anywhere in it (``re.search``; anchor with
+``^``/``$``) gives the parameter's logical axes. ``None`` as axes means "matched, leave it
+replicated". Parameters that already declare axes (linen boxes, NNX ``out_sharding``,
+:class:`partition.Annotated`) keep them; the table only fills in the rest.
+
+>>> import jax.numpy as jnp
+>>> import partition
+>>> table = partition.PathRules([(r'/w$', ('embed', 'mlp')), (r'/b$', ('mlp',))])
+>>> params = {'linear': {'w': jnp.zeros((4, 8)), 'b': jnp.zeros(8)}, 'scale': jnp.ones(())}
+>>> report = table.match(params)
+>>> report.axes
+{'linear': {'b': ('mlp',), 'w': ('embed', 'mlp')}, 'scale': None}
+>>> report.unmatched
+('scale',)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+
+from partition._errors import PartitionError, format_message
+from partition._logical_axes import (
+    Annotated,
+    _is_nnx_variable,
+    is_param_leaf,
+    leaf_axes,
+    param_value,
+)
+
+AXES_FIX = "Write each entry as (regex, logical_axes), e.g. (r'.*/kernel$', ('embed', 'mlp'))."
+
+
+class PathRulesError(PartitionError, ValueError):
+  """A path table is malformed, or does not fit the parameters it annotates."""
+
+
+class PathRulesTypeError(PathRulesError, TypeError):
+  """A path table was built from a Python object of the wrong type."""
+
+
+def path_str(path: tuple) -> str:
+  """A key path as ``a/b/0/c`` (the form path-rule patterns are matched against)."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _check_axes(axes: Any) -> bool:
+  return axes is None or (isinstance(axes, (tuple, list)) and
+                          all(a is None or isinstance(a, str) for a in axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class PathMatch:
+  """The result of matching a :class:`PathRules` table against one params tree.
+
+  Attributes:
+    axes: the logical-axes tree (declared axes where present, else the table's).
+    matched: ``{path: index of the pattern that matched}``.
+    declared: paths whose axes were already declared by the model.
+    unmatched: paths with no declared axes that no pattern matched.
+    unused: patterns that matched no path.
+  """
+
+  axes: Any
+  matched: Mapping[str, int]
+  declared: tuple[str, ...]
+  unmatched: tuple[str, ...]
+  unused: tuple[str, ...]
+
+  def __str__(self) -> str:
+    lines = [f"{len(self.matched)} parameter(s) matched, {len(self.declared)} declared by "
+             f"the model, {len(self.unmatched)} unmatched, {len(self.unused)} unused "
+             "pattern(s)"]
+    lines += [f"  unmatched path: {p}" for p in self.unmatched]
+    lines += [f"  unused pattern: {p!r}" for p in self.unused]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class PathRules:
+  """An immutable, ordered table of ``(regex over the parameter path, logical_axes)``.
+
+  Args:
+    pairs: ``(pattern, logical_axes)`` pairs in priority order, or a mapping (kept in
+      insertion order). ``logical_axes`` is a tuple with one name (or ``None``) per dim, or
+      ``None`` to match a parameter and leave it replicated.
+
+  Raises:
+    PathRulesError: for an invalid regex or axes; every bad entry is reported.
+
+  Example:
+    >>> import partition
+    >>> partition.PathRules({r'kernel$': ('embed', 'mlp'), r'bias$': None})
+    PathRules([('kernel$', ('embed', 'mlp')), ('bias$', None)])
+  """
+
+  pairs: tuple[tuple[str, tuple[str | None, ...] | None], ...]
+
+  def __init__(self, pairs: Iterable | Mapping | PathRules = ()):
+    if isinstance(pairs, PathRules):
+      pairs = pairs.pairs
+    elif isinstance(pairs, Mapping):
+      pairs = list(pairs.items())
+    elif isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+      raise PathRulesTypeError(
+          f"PathRules(pairs) takes a list of (regex, logical_axes) pairs or a mapping, got "
+          f"{type(pairs).__name__}. {AXES_FIX}")
+    canon, problems = [], []
+    for i, entry in enumerate(pairs):
+      if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+        problems.append(f"entry #{i} {entry!r}: expected a (regex, logical_axes) pair")
+        continue
+      pattern, axes = entry
+      if not isinstance(pattern, str):
+        problems.append(f"entry #{i}: the pattern must be a str, got {pattern!r}")
+        continue
+      try:
+        re.compile(pattern)
+      except re.error as e:
+        problems.append(f"entry #{i} {pattern!r}: invalid regex ({e})")
+        continue
+      if not _check_axes(axes):
+        problems.append(f"entry #{i} {pattern!r}: logical axes must be a tuple of names "
+                        f"(str or None) or None, got {axes!r}")
+        continue
+      canon.append((pattern, None if axes is None else tuple(axes)))
+    if problems:
+      raise PathRulesTypeError(format_message(
+          "PathRules(pairs) got invalid entries:", bullets=problems, fix=AXES_FIX))
+    object.__setattr__(self, "pairs", tuple(canon))
+
+  def __repr__(self) -> str:
+    return f"PathRules({list(self.pairs)!r})"
+
+  def __len__(self) -> int:
+    return len(self.pairs)
+
+  def __add__(self, other: PathRules | Iterable) -> PathRules:
+    """Concatenation: ``other``'s patterns are tried after this table's."""
+    return PathRules(list(self.pairs) + list(PathRules(other).pairs))
+
+  def lookup(self, path: str) -> tuple[int, tuple | None] | None:
+    """``(pattern index, logical_axes)`` of the first pattern matching ``path``, or None."""
+    for i, (pattern, axes) in enumerate(self.pairs):
+      if re.search(pattern, path):
+        return i, axes
+    return None
+
+  def match(self, tree: Any) -> PathMatch:
+    """Matches every parameter of ``tree`` and reports unmatched paths / unused patterns.
+
+    Raises:
+      PathRulesError: if a matched pattern's axes do not have one name per dim; the
+        message lists every such path with its shape and the pattern.
+    """
+    matched: dict[str, int] = {}
+    declared, unmatched, problems = [], [], []
+
+    def one(path, leaf):
+      name = path_str(path)
+      own = leaf_axes(leaf)
+      if own is not None:
+        declared.append(name)
+        return own
+      hit = self.lookup(name)
+      if hit is None:
+        unmatched.append(name)
+        return None
+      index, axes = hit
+      matched[name] = index
+      shape = getattr(param_value(leaf), "shape", None)
+      if axes is not None and shape is not None and len(axes) != len(shape):
+        problems.append(f"{name}: pattern #{index} {self.pairs[index][0]!r} gives {axes} "
+                        f"({len(axes)} dims) but the parameter has shape {tuple(shape)}")
+      return axes
+
+    axes_tree = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
+    if problems:
+      raise PathRulesError(format_message(
+          f"PathRules: {len(problems)} parameter(s) got logical axes of the wrong rank:",
+          bullets=problems,
+          fix="Give those patterns one name (or None) per dim, or make them more specific "
+              "(anchor with '$', e.g. r'/kernel$') so they skip parameters of other ranks."))
+    used = set(matched.values())
+    unused = tuple(p for i, (p, _) in enumerate(self.pairs) if i not in used)
+    return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused)
+
+  def axes(self, tree: Any, *, strict: bool = False) -> Any:
+    """The logical-axes tree of ``tree`` (see :meth:`match`).
+
+    Args:
+      tree: any params pytree (linen variables, an ``nnx.State``, Haiku params).
+      strict: raise if a parameter has no axes or a pattern matched nothing.
+
+    Raises:
+      PathRulesError: on rank mismatches; with ``strict=True`` also on unmatched paths
+        and unused patterns.
+    """
+    report = self.match(tree)
+    if strict and (report.unmatched or report.unused):
+      raise PathRulesError(format_message(
+          "PathRules(strict=True): the table does not cover the parameters exactly:",
+          bullets=[f"no pattern matches {p}" for p in report.unmatched]
+          + [f"pattern {p!r} matches no parameter" for p in report.unused],
+          fix="Add a pattern for each unmatched path (use None as axes to replicate it), "
+              "fix or remove the unused patterns, or pass strict=False."))
+    return report.axes
+
+  def annotate(self, tree: Any, *, strict: bool = False) -> Any:
+    """``tree`` with each matched plain parameter wrapped in :class:`partition.Annotated`.
+
+    NNX Variables get the axes as ``out_sharding`` metadata (on a copy) instead; declared
+    parameters and unmatched ones are returned unchanged.
+    """
+    axes_tree = self.axes(tree, strict=strict)
+
+    def box(leaf, axes):
+      if axes is None or leaf_axes(leaf) is not None:
+        return leaf
+      if _is_nnx_variable(leaf):
+        return leaf.copy(out_sharding=axes)
+      return Annotated(leaf, axes)
+
+    return jax.tree.map(box, tree, axes_tree, is_leaf=is_param_leaf)
+
+
+def as_path_rules(table: Any) -> PathRules | None:
+  """``None``, a :class:`PathRules`, or anything ``PathRules(...)`` accepts."""
+  if table is None or isinstance(table, PathRules):
+    return table
+  return PathRules(table)

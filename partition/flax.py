@@ -1,0 +1,211 @@
+"""Flax linen adapter: sharded init, logical axes for stock modules, flax's own rules.
+
+Import it explicitly (``import partition.flax``); ``import partition`` never imports flax.
+Models annotated the linen way — ``nn.with_logical_partitioning`` on initializers,
+``nn.with_logical_constraint`` on activations — work unchanged:
+
+>>> import jax, jax.numpy as jnp, flax.linen as nn
+>>> import partition, partition.flax
+>>> mesh = jax.make_mesh((4, 2), ('data', 'tensor'))
+>>> rules = partition.AxisRules([('batch', 'data'), ('mlp', 'tensor')])
+>>> dense = nn.Dense(16, kernel_init=nn.with_logical_partitioning(
+...     nn.initializers.lecun_normal(), ('embed', 'mlp')))
+>>> variables = partition.flax.init_sharded(dense, jax.random.key(0), jnp.ones((8, 4)),
+...                                         rules=rules, mesh=mesh)
+>>> variables['params']['kernel'].value.sharding.spec
+P(None, 'tensor')
+
+Stock modules you cannot edit get axes from :func:`with_axes` or a path table
+(``param_axes=partition.PathRules([...])``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+from flax import linen as nn
+from flax.core import meta
+
+from partition import _adapt
+from partition._constrain import constrain
+from partition._explain import ExplainReport
+from partition._logical_axes import LogicalAxesError
+from partition._mesh import AnyMesh
+from partition._path_rules import PathRules
+
+Axes = tuple[str | None, ...]
+
+
+def _abstract(module: nn.Module, rngs: Any, args: tuple, init_kwargs: dict,
+              rules, mesh, param_axes) -> tuple[Any, Any]:
+  init = functools.partial(module.init, **init_kwargs)
+  with _adapt.rules_context(rules, mesh):
+    shapes = jax.eval_shape(init, rngs, *args)
+  return shapes, _adapt.apply_path_rules(shapes, param_axes)
+
+
+def abstract_init(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
+                  mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+                  **init_kwargs: Any) -> Any:
+  """The variables ``module.init`` would create, as sharded ``ShapeDtypeStruct``s.
+
+  Nothing is allocated (``jax.eval_shape``). Linen boxes are kept, so the result has the
+  structure of the real variables: use it as a checkpoint-restore target or for memory
+  reports. Arguments are those of :func:`init_sharded`; an abstract mesh is accepted.
+  """
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.abstract_init",
+                                       concrete=False)
+  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
+  return _adapt.sharded_abstract(shapes, axes, rules, mesh)
+
+
+def init_sharded(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
+                 mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+                 **init_kwargs: Any) -> Any:
+  """``module.init(rngs, *args, **init_kwargs)`` with every variable created sharded.
+
+  The variables are first traced with ``jax.eval_shape`` (no allocation), their logical
+  axes read (linen boxes, then ``param_axes`` for the rest) and resolved through ``rules``
+  on ``mesh``; then ``jax.jit(module.init, out_shardings=...)`` creates each one directly
+  in its shards. The model runs under the rules, so ``partition.constrain`` and
+  ``nn.with_logical_constraint`` inside it take effect.
+
+  Args:
+    module: a linen module.
+    rngs: a PRNG key or a dict of keys, as for ``module.init``.
+    *args: the init inputs.
+    rules: an ``AxisRules`` (or pairs / a file path); default: ``partition.axis_rules``.
+    mesh: a ``jax.sharding.Mesh``; default: the ``axis_rules`` mesh, then ``jax.set_mesh``.
+    param_axes: optional ``PathRules`` (or its pairs) giving axes to unannotated params.
+    **init_kwargs: passed to ``module.init`` (``method=``, ``mutable=``, call kwargs).
+
+  Returns:
+    The variables (linen boxes kept) whose leaves are ``jax.Array``s with the resolved
+    ``NamedSharding``.
+  """
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.init_sharded")
+  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
+  shardings = _adapt.shardings_for(shapes, axes, rules, mesh)
+  init = functools.partial(module.init, **init_kwargs)
+  return _adapt.jit_init(init, shardings, rules, mesh, rngs, *args)
+
+
+def explain(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
+            mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+            **init_kwargs: Any) -> ExplainReport:
+  """``partition.explain`` for ``module``'s variables: spec and bytes per device per leaf."""
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.explain", concrete=False)
+  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
+  return _adapt.explain_tree(shapes, axes, rules, mesh)
+
+
+@contextlib.contextmanager
+def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
+  """``partition.axis_rules`` that also sets flax's ``nn.logical_axis_rules``.
+
+  Inside it, flax's own ``nn.with_logical_constraint`` (and the constraint linen boxes
+  apply when unboxed) resolve through the same table. Flax applies them only under
+  ``jax.set_mesh(mesh)`` and uses ``with_sharding_constraint``, which JAX rejects on
+  Explicit mesh axes: for flax's own calls use an Auto mesh. ``partition.constrain`` works
+  with both.
+  """
+  with _adapt.rules_context(_adapt.current_rules(rules), mesh) as found:
+    yield found
+
+
+# -- giving stock modules logical axes --------------------------------------------------------
+
+
+def _check_rank(value: Any, axes: Axes, where: str) -> None:
+  shape = getattr(value, "shape", None)
+  if shape is not None and len(shape) != len(axes):
+    raise LogicalAxesError(
+        f"with_axes: {where} has shape {tuple(shape)} but was given logical axes {axes} "
+        f"({len(axes)} dims). Give one logical name (or None) per dim.")
+
+
+def _boxed_init(init_fn, axes: Axes, where: str):
+  @functools.wraps(init_fn)
+  def init(*args, **kwargs):
+    value = init_fn(*args, **kwargs)
+    if isinstance(value, meta.AxisMetadata):  # the decorator's axes win
+      value = value.unbox(apply_constraint=False)
+    _check_rank(value, axes, where)
+    return nn.LogicallyPartitioned(value, axes)
+  return init
+
+
+def _check_names(cls: type, table: Mapping[str, Axes], created: list[str]) -> None:
+  missing = [n for n in table if n not in created]
+  if missing:
+    hints = [f"{n!r}" + (f" (did you mean {close[0]!r}?)" if (
+        close := difflib.get_close_matches(n, created, n=1)) else "") for n in missing]
+    raise LogicalAxesError(
+        f"with_axes({cls.__name__}): params= names {', '.join(hints)}, which "
+        f"{cls.__name__} does not create; it creates {created}. Use those names.")
+
+
+def with_axes(module_cls: type | None = None, /, *,
+              params: Mapping[str, Axes] | None = None,
+              output: Axes | None = None) -> Any:
+  """A subclass of a linen module class whose params carry logical axes.
+
+  The subclass keeps the class name (so auto-named submodules and checkpoints keep their
+  paths), wraps each named param's initializer in ``nn.with_logical_partitioning``
+  (replacing axes the module declared itself) and, if ``output`` is given, constrains
+  ``__call__``'s result with ``partition.constrain`` (a no-op without a mesh).
+
+  Args:
+    module_cls: the class (e.g. ``nn.Dense``); omit it to use ``with_axes`` as a decorator.
+    params: ``{param name: logical axes}`` for params the module creates itself.
+    output: logical axes of the output, one name per dim.
+
+  Returns:
+    The subclass (or, without ``module_cls``, a decorator that builds it).
+
+  Raises:
+    LogicalAxesError: at init, if a param gets axes of the wrong rank or ``params`` names
+      a param the module does not create.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> import partition, partition.flax
+    >>> Dense = partition.flax.with_axes(nn.Dense, params={'kernel': ('embed', 'mlp'),
+    ...                                  'bias': ('mlp',)}, output=('batch', 'mlp'))
+    >>> v = jax.eval_shape(Dense(8).init, jax.random.key(0), jnp.ones((2, 4)))
+    >>> partition.logical_axes(v)
+    {'params': {'bias': ('mlp',), 'kernel': ('embed', 'mlp')}}
+  """
+  table = {k: tuple(v) for k, v in (params or {}).items()}
+  out_axes = None if output is None else tuple(output)
+
+  def wrap(cls: type) -> type:
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+      raise TypeError(f"partition.flax.with_axes takes a linen Module class, got {cls!r}. "
+                      "For NNX modules use partition.nnx.with_axes.")
+
+    class Wrapped(cls):
+      def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
+        if name in table:
+          where = "/".join((*self.scope.path, name)) if self.scope else name
+          init_fn = _boxed_init(init_fn, table[name], f"param {where!r}")
+        return super().param(name, init_fn, *init_args, unbox=unbox, **init_kwargs)
+
+      def __call__(self, *args, **kwargs):
+        y = super().__call__(*args, **kwargs)
+        if table and self.is_initializing():
+          _check_names(cls, table, list(self.variables.get("params", {})))
+        return y if out_axes is None else constrain(y, out_axes)
+
+    Wrapped.__name__, Wrapped.__qualname__ = cls.__name__, cls.__qualname__
+    Wrapped.__doc__ = (f"{cls.__name__} with logical axes params={table!r}, "
+                       f"output={out_axes!r} (partition.flax.with_axes).")
+    Wrapped.__module__ = cls.__module__
+    return Wrapped
+
+  return wrap if module_cls is None else wrap(module_cls)

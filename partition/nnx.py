@@ -1,0 +1,202 @@
+"""Flax NNX adapter: sharded construction, logical axes for stock modules.
+
+Import it explicitly (``import partition.nnx``). NNX keeps a parameter's logical axes in the
+Variable's ``out_sharding`` metadata (``nnx.with_partitioning``, ``kernel_metadata=``);
+the deprecated ``sharding`` / ``sharding_names`` spellings are read too. NNX shards eagerly
+by default, resolving names through flax's own rules; :func:`init_sharded` turns eager
+sharding off, resolves through ``AxisRules`` instead and creates the state with
+``jax.jit(out_shardings=...)``:
+
+>>> import jax, jax.numpy as jnp
+>>> from flax import nnx
+>>> import partition, partition.nnx
+>>> mesh = jax.make_mesh((4, 2), ('data', 'tensor'))
+>>> rules = partition.AxisRules([('embed', 'data'), ('mlp', 'tensor')])
+>>> model = partition.nnx.init_sharded(
+...     lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0),
+...                        kernel_metadata={'out_sharding': ('embed', 'mlp')}),
+...     rules=rules, mesh=mesh)
+>>> model.kernel[...].sharding.spec
+P('data', 'tensor')
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+from flax import nnx
+
+from partition import _adapt
+from partition._constrain import constrain
+from partition._context import current_rules, current_rules_mesh
+from partition._explain import ExplainReport
+from partition._logical_axes import LogicalAxesError
+from partition._mesh import AnyMesh
+from partition._path_rules import PathRules
+
+Axes = tuple[str | None, ...]
+
+
+def _build(init_fn: Callable[..., nnx.Module], args: tuple, kwargs: dict) -> nnx.Module:
+  with nnx.use_eager_sharding(False):
+    return init_fn(*args, **kwargs)
+
+
+def _abstract(init_fn, args, kwargs, rules, mesh, param_axes):
+  with _adapt.rules_context(rules, mesh):
+    model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
+  graphdef, state = nnx.split(model)
+  return graphdef, state, _adapt.apply_path_rules(state, param_axes)
+
+
+def abstract_init(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
+                  mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+                  **kwargs: Any) -> tuple[Any, nnx.State]:
+  """``(graphdef, state)`` of the model ``init_fn`` builds, with sharded abstract values.
+
+  Like ``nnx.get_abstract_model``, but the shardings come from ``rules``: each Variable
+  holds a ``ShapeDtypeStruct`` with its ``NamedSharding``. Nothing is allocated. Use it as
+  a checkpoint-restore target (``nnx.merge(graphdef, restored)``) or for memory reports.
+  """
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.abstract_init",
+                                       concrete=False)
+  graphdef, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
+  return graphdef, _adapt.sharded_abstract(state, axes, rules, mesh)
+
+
+def init_sharded(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
+                 mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+                 **kwargs: Any) -> nnx.Module:
+  """Builds ``init_fn(*args, **kwargs)`` with every Variable created in its sharding.
+
+  The NNX counterpart of ``partition.flax.init_sharded``: the model is first built with
+  ``nnx.eval_shape`` (no allocation), its logical axes read (``out_sharding`` metadata,
+  then ``param_axes`` for the rest) and resolved through ``rules`` on ``mesh``; then its
+  state is created under ``jax.jit(out_shardings=...)`` and merged back into a module.
+
+  Args:
+    init_fn: builds the module, e.g. ``lambda: MLP(rngs=nnx.Rngs(0))``. Create the
+      ``nnx.Rngs`` inside it: it is called under ``jax.jit``.
+    *args: passed to ``init_fn``.
+    rules: an ``AxisRules`` (or pairs / a file path); default: ``partition.axis_rules``.
+    mesh: a ``jax.sharding.Mesh``; default: the ``axis_rules`` mesh, then ``jax.set_mesh``.
+    param_axes: optional ``PathRules`` for Variables without ``out_sharding`` (paths as in
+      ``nnx.state``, e.g. ``layers/0/kernel``).
+    **kwargs: passed to ``init_fn``.
+
+  Returns:
+    The module; every Variable holds a ``jax.Array`` with the resolved ``NamedSharding``.
+    On an Explicit mesh, call it under ``jax.set_mesh(mesh)``.
+  """
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.init_sharded")
+  graphdef, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
+  shardings = _adapt.shardings_for(state, axes, rules, mesh)
+  new_state = _adapt.jit_init(lambda: nnx.state(_build(init_fn, args, kwargs)), shardings,
+                              rules, mesh)
+  return nnx.merge(graphdef, new_state)
+
+
+def explain(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
+            mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
+            **kwargs: Any) -> ExplainReport:
+  """``partition.explain`` for the model's state: spec and bytes per device per Variable."""
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.explain", concrete=False)
+  _, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
+  return _adapt.explain_tree(state, axes, rules, mesh)
+
+
+def annotate(module: nnx.Module, param_axes: PathRules | Any, *, strict: bool = False
+             ) -> nnx.Module:
+  """Sets ``out_sharding`` metadata on ``module``'s Variables from a path table, in place.
+
+  Variables that already declare axes keep them. Returns ``module``.
+  """
+  table = param_axes if isinstance(param_axes, PathRules) else PathRules(param_axes)
+  state = nnx.state(module)
+  axes = table.axes(state, strict=strict)
+  flat_axes = dict(jax.tree_util.tree_flatten_with_path(
+      axes, is_leaf=lambda x: x is None or isinstance(x, tuple))[0])
+  for path, var in jax.tree_util.tree_flatten_with_path(
+      state, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]:
+    names = flat_axes.get(path)
+    if names is not None and not var.get_metadata().get("out_sharding"):
+      var.set_metadata("out_sharding", names)
+  return module
+
+
+def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
+  created = [k for k, v in vars(module).items() if isinstance(v, nnx.Variable)]
+  for name, axes in table.items():
+    var = getattr(module, name, None)
+    if not isinstance(var, nnx.Variable):
+      raise _unknown_variable(cls, name, created)
+    shape = getattr(var.get_value(), "shape", ())
+    if len(shape) != len(axes):
+      raise LogicalAxesError(
+          f"with_axes({cls.__name__}): Variable {name!r} has shape {tuple(shape)} but was "
+          f"given logical axes {axes} ({len(axes)} dims). Give one name (or None) per dim.")
+    var.set_metadata("out_sharding", axes)
+    if nnx.using_eager_sharding() and current_rules() is not None and (
+        current_rules_mesh() is not None):
+      var.set_value(constrain(var.get_value(), axes))
+
+
+def _unknown_variable(cls: type, name: str, created: list[str]) -> LogicalAxesError:
+  close = difflib.get_close_matches(name, created, n=1)
+  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  return LogicalAxesError(
+      f"with_axes({cls.__name__}): params= names {name!r}{hint}, which is not a Variable "
+      f"of {cls.__name__}; its Variables are {created}. Use those names.")
+
+
+def with_axes(module_cls: type | None = None, /, *,
+              params: Mapping[str, Axes] | None = None,
+              output: Axes | None = None) -> Any:
+  """A subclass of an NNX module class whose Variables carry logical axes.
+
+  After the original ``__init__``, each named Variable gets ``out_sharding`` metadata
+  (replacing what the module declared); if ``output`` is given, ``__call__``'s result is
+  constrained with ``partition.constrain`` (a no-op without a mesh).
+
+  Args:
+    module_cls: the class (e.g. ``nnx.Linear``); omit it to use as a decorator.
+    params: ``{Variable attribute name: logical axes}``.
+    output: logical axes of the output, one name per dim.
+
+  Raises:
+    LogicalAxesError: at construction, for a wrong rank or a name that is not a Variable.
+
+  Example:
+    >>> from flax import nnx
+    >>> import partition, partition.nnx
+    >>> Linear = partition.nnx.with_axes(nnx.Linear, params={'kernel': ('embed', 'mlp')})
+    >>> partition.logical_axes(Linear(2, 3, rngs=nnx.Rngs(0)))['kernel']
+    ('embed', 'mlp')
+  """
+  table = {k: tuple(v) for k, v in (params or {}).items()}
+  out_axes = None if output is None else tuple(output)
+
+  def wrap(cls: type) -> type:
+    if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
+      raise TypeError(f"partition.nnx.with_axes takes an nnx.Module class, got {cls!r}. "
+                      "For linen modules use partition.flax.with_axes.")
+
+    class Wrapped(cls):
+      def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _set_axes(self, cls, table)
+
+      def __call__(self, *args, **kwargs):
+        y = super().__call__(*args, **kwargs)
+        return y if out_axes is None else constrain(y, out_axes)
+
+    Wrapped.__name__, Wrapped.__qualname__ = cls.__name__, cls.__qualname__
+    Wrapped.__module__ = cls.__module__
+    Wrapped.__doc__ = (f"{cls.__name__} with logical axes params={table!r}, "
+                       f"output={out_axes!r} (partition.nnx.with_axes).")
+    return Wrapped
+
+  return wrap if module_cls is None else wrap(module_cls)
