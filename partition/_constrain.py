@@ -36,6 +36,9 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
     mesh: default: the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh.
     strict: resolve with ``strict=True`` (unknown names and indivisible dims raise).
 
+  The context is read at trace time: ``jax.jit`` does not re-trace a function when only the
+  ``axis_rules`` context changes (as with flax's ``logical_axis_rules``).
+
   Returns:
     ``x`` with its sharding constrained; ``x`` itself when no mesh is in scope.
 
