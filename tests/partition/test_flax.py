@@ -1,0 +1,185 @@
+"""partition.flax (linen): sharded init vs flax's own resolver, with_axes, constraints."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import partition
+import partition.flax
+
+LOGICAL = nn.with_logical_partitioning
+INIT = nn.initializers.lecun_normal()
+MESHES = {(8,): ("fsdp",), (4, 2): ("fsdp", "tensor"), (2, 2, 2): ("data", "fsdp", "tensor")}
+RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"), ("mlp", "fsdp")]
+
+
+class Block(nn.Module):
+  """A linen model annotated the flax way, with flax's own activation constraint."""
+
+  @nn.compact
+  def __call__(self, x):
+    h = nn.Dense(16, kernel_init=LOGICAL(INIT, ("embed", "mlp")),
+                 bias_init=LOGICAL(nn.initializers.zeros, ("mlp",)))(x)
+    h = nn.with_logical_constraint(nn.relu(h), ("batch", "mlp"))
+    return nn.Dense(8, kernel_init=LOGICAL(INIT, ("mlp", "embed")))(h)
+
+
+def _mesh(shape, axis_type=AxisType.Explicit):
+  names = MESHES[shape]
+  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+
+
+@pytest.mark.parametrize("shape", list(MESHES))
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+def test_init_sharded_matches_flax_logical_to_mesh_sharding(shape, axis_type):
+  mesh = _mesh(shape, axis_type)
+  x = jnp.ones((8, 8))
+  variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
+                                          mesh=mesh)
+  # Independent reference: flax's resolver on flax's own partition specs.
+  abstract = jax.eval_shape(Block().init, jax.random.key(0), x)
+  flax_rules = tuple((n, a) for n, a in RULES if all(m in mesh.axis_names for m in (a,)))
+  ref = nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract), mesh, flax_rules)
+  got = jax.tree.map(lambda a: a.sharding, nn.unbox(variables))
+  assert jax.tree.map(lambda s: s.spec, got) == jax.tree.map(lambda s: s.spec, ref)
+  for leaf in jax.tree.leaves(variables):
+    assert isinstance(leaf, jax.Array) and isinstance(leaf.sharding, NamedSharding)
+  # Values equal an unsharded init.
+  plain = Block().init(jax.random.key(0), x)
+  for a, b in zip(jax.tree.leaves(variables), jax.tree.leaves(plain)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_boxes_are_kept_and_apply_works():
+  mesh = _mesh((4, 2), AxisType.Auto)  # Explicit axes would need out_sharding= on matmuls
+  x = jnp.ones((8, 8))
+  variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
+                                          mesh=mesh)
+  kernel = variables["params"]["Dense_0"]["kernel"]
+  assert isinstance(kernel, nn.LogicallyPartitioned) and kernel.names == ("embed", "mlp")
+  assert kernel.value.sharding.spec == P("fsdp", "tensor")
+  with jax.set_mesh(mesh):
+    y = jax.jit(Block().apply)(variables, x)
+  np.testing.assert_allclose(np.asarray(y), np.asarray(
+      Block().apply(Block().init(jax.random.key(0), x), x)), rtol=1e-5)
+
+
+def test_abstract_init_and_explain():
+  mesh = _mesh((4, 2))
+  x = jnp.ones((8, 8))
+  abstract = partition.flax.abstract_init(Block(), jax.random.key(0), x, rules=RULES,
+                                          mesh=mesh)
+  k = abstract["params"]["Dense_1"]["kernel"]
+  assert isinstance(k, nn.LogicallyPartitioned)
+  assert isinstance(k.value, jax.ShapeDtypeStruct)
+  assert k.value.sharding.spec == P("tensor", "fsdp")
+  report = partition.flax.explain(Block(), jax.random.key(0), x, rules=RULES, mesh=mesh)
+  # Reference: bytes per device by hand. Dense_0 kernel (8,16) over 8 devices, bias (16,)
+  # over tensor=2, Dense_1 kernel (16,8) over 8, bias (8,) replicated.
+  assert report.bytes_per_device == 4 * (8 * 16 // 8 + 16 // 2 + 16 * 8 // 8 + 8)
+  assert report.total_bytes == 4 * (8 * 16 + 16 + 16 * 8 + 8)
+
+
+def test_path_table_annotates_stock_modules():
+  class Stock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
+
+  mesh = _mesh((4, 2))
+  table = partition.PathRules([(r"Dense_0/kernel$", ("embed", "mlp")),
+                               (r"Dense_1/kernel$", ("mlp", "embed"))])
+  variables = partition.flax.init_sharded(Stock(), jax.random.key(0), jnp.ones((8, 8)),
+                                          rules=RULES, mesh=mesh, param_axes=table)
+  specs = jax.tree.map(lambda a: a.sharding.spec, variables)
+  assert specs == {"params": {"Dense_0": {"kernel": P("fsdp", "tensor"), "bias": P()},
+                              "Dense_1": {"kernel": P("tensor", "fsdp"), "bias": P()}}}
+
+
+def test_with_axes_turns_stock_dense_into_annotated_dense():
+  Dense = partition.flax.with_axes(nn.Dense, params={"kernel": ("embed", "mlp"),
+                                                     "bias": ("mlp",)},
+                                   output=("batch", "mlp"))
+  assert Dense.__name__ == "Dense" and issubclass(Dense, nn.Dense)
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Dense(16)(x)
+
+  mesh = _mesh((4, 2), AxisType.Auto)
+  x = jnp.ones((8, 8))
+  variables = partition.flax.init_sharded(M(), jax.random.key(0), x, rules=RULES, mesh=mesh)
+  assert list(variables["params"]) == ["Dense_0"]  # auto-naming unchanged
+  assert partition.logical_axes(variables) == {"params": {"Dense_0": {
+      "kernel": ("embed", "mlp"), "bias": ("mlp",)}}}
+  ref = nn.logical_to_mesh_sharding(nn.get_partition_spec(variables), mesh, tuple(RULES))
+  assert variables["params"]["Dense_0"]["kernel"].value.sharding.spec == \
+      ref["params"]["Dense_0"]["kernel"].spec
+  # The output constraint takes effect under the rules (one more sharding op in the HLO).
+  with partition.axis_rules(RULES, mesh):
+    text = jax.jit(M().apply).lower(variables, x).as_text()
+  dense_vars = {"params": nn.unbox(variables)["params"]["Dense_0"]}
+  plain = jax.jit(lambda v, x: nn.Dense(16).apply(v, x)).lower(dense_vars, x).as_text()
+  assert text.count("sharding_constraint") == plain.count("sharding_constraint") + 1
+  y = M().apply(variables, x)  # no mesh in context: the constraint is a no-op
+  np.testing.assert_allclose(np.asarray(y), np.asarray(nn.Dense(16).apply(dense_vars, x)),
+                             rtol=1e-6)
+
+
+def test_with_axes_as_decorator_replaces_declared_axes():
+  @partition.flax.with_axes(params={"w": ("embed", "mlp")})
+  class Mine(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      w = self.param("w", LOGICAL(INIT, ("old", "names")), (x.shape[-1], 3))
+      return x @ w
+
+  variables = jax.eval_shape(Mine().init, jax.random.key(0), jnp.ones((2, 4)))
+  assert partition.logical_axes(variables) == {"params": {"w": ("embed", "mlp")}}
+
+
+def test_with_axes_errors():
+  Bad = partition.flax.with_axes(nn.Dense, params={"kernel": ("embed",)})
+  with pytest.raises(ValueError, match=r"param 'kernel' has shape \(4, 3\) but was given "
+                                       r"logical axes \('embed',\)"):
+    Bad(3).init(jax.random.key(0), jnp.ones((2, 4)))
+  Typo = partition.flax.with_axes(nn.Dense, params={"kernal": ("embed", "mlp")})
+  with pytest.raises(ValueError, match=r"'kernal' \(did you mean 'kernel'\?\), which Dense "
+                                       r"does not create"):
+    Typo(3).init(jax.random.key(0), jnp.ones((2, 4)))
+  with pytest.raises(TypeError, match="use partition.nnx.with_axes"):
+    partition.flax.with_axes(int, params={})
+
+
+def test_flax_own_constraint_takes_effect_under_partition_flax_axis_rules():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  x = jnp.ones((8, 8))
+  variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
+                                          mesh=mesh)
+  with jax.set_mesh(mesh):  # fresh functions: jit's trace cache ignores flax's rules
+    without = jax.jit(lambda v, x: Block().apply(v, x)).lower(variables, x).as_text()
+    with partition.flax.axis_rules(RULES, mesh):
+      with_rules = jax.jit(lambda v, x: Block().apply(v, x)).lower(variables, x).as_text()
+  # flax drops nn.with_logical_constraint without rules; ours sets flax's rules too.
+  assert with_rules.count("sharding_constraint") > without.count("sharding_constraint")
+  assert partition.current_rules() is None
+
+
+def test_errors_without_rules_or_mesh():
+  with pytest.raises(ValueError, match=r"Pass rules=partition.AxisRules"):
+    partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((2, 8)),
+                                mesh=_mesh((8,)))
+  with pytest.raises(ValueError, match=r"needs a concrete device mesh.*found no mesh"):
+    partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((2, 8)), rules=RULES)
+
+
+def test_rules_and_mesh_from_context():
+  mesh = _mesh((4, 2))
+  with partition.axis_rules(RULES, mesh):
+    variables = partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((8, 8)))
+  assert variables["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")

@@ -1,0 +1,113 @@
+"""partition.logical_axes: linen boxes, NNX metadata (incl. deprecated keys), Annotated."""
+
+import pathlib
+import subprocess
+import sys
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+from flax import nnx
+
+import partition
+
+
+def _linen_variables():
+  init = nn.initializers.lecun_normal()
+
+  class M(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      x = nn.Dense(8, kernel_init=nn.with_logical_partitioning(init, ("embed", "mlp")))(x)
+      p = self.param("scale", nn.with_partitioning(nn.initializers.ones, ("data",)), (8,))
+      return nn.Dense(4)(x * p)
+
+  return jax.eval_shape(M().init, jax.random.key(0), jnp.ones((2, 4)))
+
+
+def test_linen_boxes_match_flax_get_partition_spec():
+  variables = _linen_variables()
+  axes = partition.logical_axes(variables)
+  assert axes == {"params": {
+      "Dense_0": {"kernel": ("embed", "mlp"), "bias": None},
+      "Dense_1": {"kernel": None, "bias": None},
+      "scale": ("data",)}}
+  # Independent reference: flax's own reader gives the same names as PartitionSpecs.
+  flax_specs = nn.get_partition_spec(variables)
+  assert tuple(flax_specs["params"]["Dense_0"]["kernel"]) == ("embed", "mlp")
+  assert tuple(flax_specs["params"]["scale"]) == ("data",)
+
+
+def test_nnx_module_state_and_variable():
+  class M(nnx.Module):
+    def __init__(self, rngs):
+      self.a = nnx.Linear(4, 8, rngs=rngs, kernel_metadata={"out_sharding": ("embed", "mlp")})
+      self.b = nnx.Linear(8, 4, rngs=rngs)
+
+  with nnx.use_eager_sharding(False):
+    model = M(nnx.Rngs(0))
+  axes = partition.logical_axes(model)
+  assert axes["a"]["kernel"] == ("embed", "mlp")
+  assert axes["a"]["bias"] is None and axes["b"]["kernel"] is None
+  assert partition.logical_axes(nnx.state(model)) == axes
+  assert partition.logical_axes(model.a.kernel) == ("embed", "mlp")
+  # Independent reference: flax's nnx.get_partition_spec (no rules: names pass through).
+  ref = nnx.get_partition_spec(nnx.state(model))
+  assert tuple(ref["a"]["kernel"].get_value()) == ("embed", "mlp")
+
+
+@pytest.mark.parametrize("key", ["sharding", "sharding_names"])
+def test_nnx_deprecated_metadata_read_without_warnings(key):
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # constructing with the old key warns (flax's doing)
+    v = nnx.Param(jnp.ones((2, 3)), eager_sharding=False, **{key: ("a", "b")})
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # reading must not warn
+    assert partition.logical_axes({"v": v}) == {"v": ("a", "b")}
+
+
+def test_nnx_metadata_dict_with_deprecated_key_only():
+  v = nnx.Param(jnp.ones((2, 3)), eager_sharding=False)
+  v.get_metadata()  # metadata is a plain dict; simulate an old pickled state
+  object.__getattribute__(v, "_var_metadata")["sharding_names"] = ("x", None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert partition.logical_axes(v) == ("x", None)
+
+
+def test_annotated_box_and_unbox():
+  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed", "mlp")), "b": jnp.ones(3)}
+  assert partition.logical_axes(tree) == {"w": ("embed", "mlp"), "b": None}
+  plain = partition.unbox(tree)
+  assert plain["w"].shape == (2, 3) and not isinstance(plain["w"], partition.Annotated)
+  assert repr(tree["w"]) == "Annotated(f32[2,3], names=('embed', 'mlp'))"
+  doubled = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(tree)
+  assert doubled["w"].names == ("embed", "mlp")
+  assert float(doubled["w"].value[0, 0]) == 2.0
+
+
+def test_rank_mismatch_names_every_path():
+  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed",)),
+          "v": {"k": partition.Annotated(jnp.ones(3), ("a", "b"))}}
+  with pytest.raises(ValueError, match=r"2 parameter\(s\)") as e:
+    partition.logical_axes(tree)
+  msg = str(e.value)
+  assert "['w']: logical axes ('embed',) name 1 dims but the parameter has shape (2, 3)" in msg
+  assert "['v']['k']" in msg and "one logical name (or None) per dim" in msg
+  assert isinstance(e.value, partition.LogicalAxesError)
+
+
+def test_plain_tree_is_all_none():
+  assert partition.logical_axes({"a": jnp.ones(2), "b": [jnp.ones(1)]}) == {
+      "a": None, "b": [None]}
+
+
+def test_import_partition_does_not_import_flax_or_haiku():
+  code = ("import sys, partition; bad = [m for m in ('flax', 'haiku') if m in sys.modules];"
+          " print(bad); assert not bad, bad")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": ""},
+                       cwd=str(pathlib.Path(__file__).resolve().parents[2]))
+  assert out.returncode == 0, out.stdout + out.stderr

@@ -1,0 +1,114 @@
+"""partition.PathRules: regex tables over parameter paths, reports and errors."""
+
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import partition
+
+TABLE = partition.PathRules([
+    (r"/kernel$", ("embed", "mlp")),
+    (r"/bias$", ("mlp",)),
+    (r"/w$", ("embed", "mlp")),
+    (r"/b$", ("mlp",)),
+    (r"never_matches", None),
+])
+
+
+def test_linen_dict_paths_and_report():
+  variables = jax.eval_shape(nn.Dense(8).init, jax.random.key(0), jnp.ones((2, 4)))
+  report = TABLE.match(variables)
+  assert report.axes == {"params": {"kernel": ("embed", "mlp"), "bias": ("mlp",)}}
+  assert report.matched == {"params/kernel": 0, "params/bias": 1}
+  assert report.unmatched == ()
+  assert report.unused == (r"/w$", r"/b$", "never_matches")
+  assert "unused pattern: 'never_matches'" in str(report)
+
+
+def test_haiku_params_paths():
+  f = hk.transform(lambda x: hk.nets.MLP([8, 4])(x))
+  params = jax.eval_shape(f.init, jax.random.key(0), jnp.ones((2, 4)))
+  axes = TABLE.axes(params)
+  assert axes["mlp/~/linear_0"] == {"w": ("embed", "mlp"), "b": ("mlp",)}
+  assert TABLE.match(params).matched["mlp/~/linear_1/w"] == 2
+
+
+def test_nnx_state_paths_and_annotate():
+  with nnx.use_eager_sharding(False):
+    model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4,
+                                                                          rngs=nnx.Rngs(1)))
+  state = nnx.state(model)
+  axes = TABLE.axes(state)
+  assert axes["layers"][0]["kernel"] == ("embed", "mlp")
+  annotated = TABLE.annotate(state)
+  assert annotated["layers"][1]["kernel"].get_metadata()["out_sharding"] == ("embed", "mlp")
+  assert partition.logical_axes(annotated) == axes
+
+
+def test_declared_axes_win_and_unmatched_reported():
+  tree = {"a": {"kernel": partition.Annotated(jnp.ones((2, 3)), ("x", "y"))},
+          "norm": {"scale": jnp.ones(3)}}
+  report = TABLE.match(tree)
+  assert report.axes == {"a": {"kernel": ("x", "y")}, "norm": {"scale": None}}
+  assert report.declared == ("a/kernel",)
+  assert report.unmatched == ("norm/scale",)
+
+
+def test_annotate_boxes_plain_leaves():
+  tree = {"dense": {"kernel": np.ones((2, 3)), "other": np.ones(2)}}
+  boxed = TABLE.annotate(tree)
+  assert isinstance(boxed["dense"]["kernel"], partition.Annotated)
+  assert boxed["dense"]["kernel"].names == ("embed", "mlp")
+  assert not isinstance(boxed["dense"]["other"], partition.Annotated)
+
+
+def test_first_match_wins_and_none_replicates():
+  table = partition.PathRules([(r"special/kernel$", None), (r"kernel$", ("a", "b"))])
+  tree = {"special": {"kernel": jnp.ones((2, 2))}, "plain": {"kernel": jnp.ones((2, 2))}}
+  report = table.match(tree)
+  assert report.axes == {"special": {"kernel": None}, "plain": {"kernel": ("a", "b")}}
+  assert report.unmatched == () and report.unused == ()
+
+
+def test_rank_mismatch_error_names_path_pattern_and_fix():
+  table = partition.PathRules([(r"kernel", ("embed", "mlp"))])
+  tree = {"conv": {"kernel": jnp.ones((3, 3, 2, 4))}, "dense": {"kernel": jnp.ones((2, 4))}}
+  with pytest.raises(ValueError, match=r"anchor with '\$'") as e:
+    table.axes(tree)
+  msg = str(e.value)
+  assert "conv/kernel: pattern #0 'kernel' gives ('embed', 'mlp') (2 dims) but the " \
+         "parameter has shape (3, 3, 2, 4)" in msg
+  assert "dense/kernel" not in msg
+  assert isinstance(e.value, partition.PathRulesError)
+
+
+def test_strict_raises_on_unmatched_and_unused():
+  table = partition.PathRules([(r"/w$", ("a", "b")), (r"typo$", None)])
+  tree = {"l": {"w": jnp.ones((2, 2)), "b": jnp.ones(2)}}
+  assert table.axes(tree) == {"l": {"w": ("a", "b"), "b": None}}
+  with pytest.raises(ValueError, match="use None as axes to replicate it") as e:
+    table.axes(tree, strict=True)
+  assert "no pattern matches l/b" in str(e.value)
+  assert "pattern 'typo$' matches no parameter" in str(e.value)
+
+
+def test_construction_errors_collected():
+  with pytest.raises(TypeError, match=r"\(r'\.\*/kernel\$', \('embed', 'mlp'\)\)") as e:
+    partition.PathRules([("(", ("a",)), ("ok", "embed"), ("x",)])
+  msg = str(e.value)
+  assert "entry #0 '(': invalid regex" in msg
+  assert "entry #1 'ok': logical axes must be a tuple" in msg
+  assert "entry #2 ('x',): expected a (regex, logical_axes) pair" in msg
+  with pytest.raises(TypeError, match="list of"):
+    partition.PathRules("kernel")
+
+
+def test_mapping_and_repr_and_concat():
+  table = partition.PathRules({"k$": ["a", None]}) + [("b$", None)]
+  assert table.pairs == (("k$", ("a", None)), ("b$", None))
+  assert repr(table) == "PathRules([('k$', ('a', None)), ('b$', None)])"
+  assert len(table) == 2
