@@ -162,6 +162,12 @@ def param_axes_from(param_axes: PathRules | Any, *, constrain_params: bool = Tru
 # -- abstract and sharded init -----------------------------------------------------------------
 
 
+def _trace_init(transformed: Any, rng: Any, args: tuple, kwargs: dict) -> Any:
+  """``eval_shape`` of the init through a fresh function: JAX caches traces by function,
+  and a cached trace would not run the creators that record axes."""
+  return jax.eval_shape(lambda r, *a: transformed.init(r, *a, **kwargs), rng, *args)
+
+
 def _params_part(out: Any) -> tuple[Any, bool]:
   """``init`` returns params, or ``(params, state)`` for ``transform_with_state``."""
   if isinstance(out, tuple) and len(out) == 2:
@@ -179,7 +185,7 @@ def _axes_for(params: Any, recorded: dict[str, Axes], param_axes: Any) -> Any:
 
 def _abstract(transformed, rng, args, kwargs, rules, mesh, param_axes):
   with _recording() as recorded, _adapt.rules_context(rules, mesh):
-    out = jax.eval_shape(transformed.init, rng, *args, **kwargs)
+    out = _trace_init(transformed, rng, args, kwargs)
   params, with_state = _params_part(out)
   axes = _axes_for(params, recorded, param_axes)
   if with_state:
@@ -195,7 +201,7 @@ def eval_axes(transformed: Any, rng: Any, *args: Any, param_axes: PathRules | An
   from ``param_axes`` (a path table) for the rest. Nothing is allocated.
   """
   with _recording() as recorded:
-    out = jax.eval_shape(transformed.init, rng, *args, **kwargs)
+    out = _trace_init(transformed, rng, args, kwargs)
   return _axes_for(_params_part(out)[0], recorded, param_axes)
 
 
@@ -206,7 +212,7 @@ def annotate(transformed: Any, rng: Any, *args: Any, param_axes: PathRules | Any
   ``partition.logical_axes`` reads the result; ``partition.unbox`` strips the boxes.
   """
   with _recording() as recorded:
-    out = jax.eval_shape(transformed.init, rng, *args, **kwargs)
+    out = _trace_init(transformed, rng, args, kwargs)
   params = _params_part(out)[0]
   axes = _axes_for(params, recorded, param_axes)
   return jax.tree.map(lambda leaf, a: leaf if a is None else Annotated(leaf, a), params,
