@@ -11,14 +11,12 @@ Sharded initialisation is the same three steps everywhere:
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
@@ -102,17 +100,6 @@ def shardings_for(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
 def sharded_abstract(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
   """``tree`` with every array replaced by a ``ShapeDtypeStruct`` carrying its sharding."""
   return abstract(tree, shardings_for(tree, axes, rules, mesh))
-
-
-def per_device_bytes(tree: Any) -> int:
-  """Bytes one device holds for a tree of sharded arrays / ``ShapeDtypeStruct``s."""
-  total = 0
-  for leaf in jax.tree.leaves(unbox(tree)):
-    sharding = getattr(leaf, "sharding", None)
-    shape = sharding.shard_shape(leaf.shape) if isinstance(sharding, NamedSharding) \
-        else leaf.shape
-    total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
-  return total
 
 
 def explain_tree(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh):

@@ -35,7 +35,6 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
 
 from partition._errors import PartitionError, format_message
 
@@ -255,7 +254,3 @@ def abstract(tree: Any, shardings: Any = None) -> Any:
     return jax.tree.map(sds, leaf)
 
   return jax.tree.map(with_sharding, tree, shardings, is_leaf=is_param_leaf)
-
-
-def spec_leaf(x: Any) -> bool:
-  return isinstance(x, PartitionSpec)
