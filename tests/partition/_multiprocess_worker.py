@@ -18,13 +18,7 @@ import json
 import os
 import sys
 
-os.environ["JAX_PLATFORMS"] = "cpu"
-
-import jax  # noqa: E402
-
-jax.config.update("jax_num_cpu_devices", 4)  # before initialize and any computation
-
-import numpy as np  # noqa: E402
+import numpy as np
 
 B, D, E = 32, 8, 5
 
@@ -46,6 +40,12 @@ def shards(arr):
 
 
 def main():
+  # Only when run as a child: importing this module (pytest --doctest-modules, the parent
+  # test reading global_inputs) must not touch the importer's JAX configuration.
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+  jax.config.update("jax_num_cpu_devices", 4)  # before initialize and any computation
+
   process_id, port, axis_type, out_path = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3],
                                            sys.argv[4])
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
