@@ -13,6 +13,7 @@ level removes its sub-dim from the inputs and re-inserts it into the outputs:
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,7 +26,15 @@ from partition._errors import OutputAxesError, format_message
 from partition._plan import Label, Level, Plan
 from partition._specs import AxisSpec, Reduction, flatten_specs, placed
 
-_BATCHED_BUT_NONE = re.compile(r"out_axes\[1\]\[(\d+)\].*got axis spec None but output was batched")
+# jax.vmap's complaint about a batched output under out_axes=None (old and current wording).
+_BATCHED_BUT_NONE = re.compile(r"but out_axes is None|got axis spec None but output was batched")
+
+
+@functools.cache
+def reduced_dtype(dtype):
+  """The dtype ``lax.psum`` gives (bool sums count: int32), so every resource agrees."""
+  return jax.eval_shape(lambda v: jax.vmap(lambda a: lax.psum(a, "_"), axis_name="_")(v),
+                        jax.ShapeDtypeStruct((1,), dtype)).dtype
 
 
 class Tracer:
@@ -106,7 +115,8 @@ class Tracer:
     base = self.out_structs[j]
     shape = tuple(base.shape[lab[1]] if lab[0] is None else self.plan.label_size(lab)
                   for lab in self.labels_after(j, k))
-    return jax.ShapeDtypeStruct(shape, base.dtype)
+    reduced = any(self.mode(j, level)[0] == "reduce" for level in self.plan.levels[k:])
+    return jax.ShapeDtypeStruct(shape, reduced_dtype(base.dtype) if reduced else base.dtype)
 
   # -- the levels
   def run(self, k: int, args: list[Any], labels: list[tuple[Label, ...]]) -> list[Any]:
@@ -137,11 +147,26 @@ class Tracer:
     try:
       mapped, unmapped = vmapped(*args)
     except ValueError as e:
-      match = _BATCHED_BUT_NONE.search(str(e))
-      if not match:
+      if isinstance(e, OutputAxesError) or not _BATCHED_BUT_NONE.search(str(e)):
         raise
-      raise self._varies_error(k, level, int(match.group(1))) from None
+      culprit = self._find_varying(level, body, in_axes, args)
+      raise self._varies_error(level, culprit) from None
     return self._assemble(k, level, iter(mapped), iter(unmapped))
+
+  def _find_varying(self, level, body, in_axes, args) -> int | None:
+    """Which unplaced output varies along ``level`` (error path only: probes each one)."""
+    candidates = [j for j in range(len(self.out_specs)) if self.mode(j, level)[0] != "map"]
+    for i, j in enumerate(candidates):
+      probe = jax.vmap(lambda *xs, i=i: body(*xs)[1][i], in_axes=in_axes, out_axes=None,
+                       axis_name=level.bound_name, axis_size=level.size,
+                       spmd_axis_name=level.spmd)
+      try:
+        probe(*args)
+      except ValueError as e:
+        if _BATCHED_BUT_NONE.search(str(e)):
+          return j
+        raise
+    return None
 
   def _scan_level(self, k, level, args, labels):
     if self.out_treedef is None:
@@ -188,9 +213,7 @@ class Tracer:
                                     jnp.result_type(a)) for a, ls in zip(args, labels)]
     jax.eval_shape(lambda *xs: self.call_fun(xs), *structs)
 
-  def _varies_error(self, k, level, unmapped_index):
-    candidates = [j for j in range(len(self.out_specs)) if self.mode(j, level)[0] != "map"]
-    j = candidates[unmapped_index] if unmapped_index < len(candidates) else None
+  def _varies_error(self, level, j):
     axis = level.labels[0][0]
     where = f"output{self.out_paths[j]}" if j is not None else "an output"
     spec = self.out_specs[j] if j is not None else None

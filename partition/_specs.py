@@ -65,11 +65,11 @@ class Reduction:
     object.__setattr__(self, "names", tuple(names))
     object.__setattr__(self, "axes", {} if axes is None else axes)
     spec = parse_leaf(self.axes, "out_axes")
+    object.__setattr__(self, "_spec", spec)
     if set(spec.names) & set(names):
       raise AxisNameError(
           f"{self!r} both reduces and keeps axes {sorted(set(spec.names) & set(names))}; "
           "an axis is either reduced (positional args) or placed (axes=).")
-    object.__setattr__(self, "_spec", spec)
 
   @property
   def spec(self) -> AxisSpec:
@@ -131,7 +131,12 @@ def is_spec_leaf(x: Any) -> bool:
   if isinstance(x, Mapping):
     return all(isinstance(k, int) and not isinstance(k, bool) for k in x)
   if isinstance(x, (list, tuple)):
-    return all(e is None or e is Ellipsis or _is_name(e) for e in x)
+    if all(e is None or e is Ellipsis or _is_name(e) for e in x):
+      return True
+    # A list with names or '...' and a bad entry ([1, ...]) is a bad spec leaf, reported as
+    # such, rather than a container of specs; (3,) stays a container holding a bad leaf.
+    has_marker = any(e is Ellipsis or _is_name(e) for e in x)
+    return has_marker and not any(isinstance(e, (list, tuple, Mapping, Reduction)) for e in x)
   return False
 
 
@@ -167,6 +172,11 @@ def parse_leaf(entry: Any, arg_name: str, where: str = "") -> AxisSpec:
       raise SpecError(format_message(
           f"xmap {at} = {entry!r} has '...' before its end.",
           fix="'...' may only close a list spec: ['batch', ...]."))
+    bad = [n for n in body if n is not None and not _is_name(n)]
+    if bad:
+      raise SpecError(format_message(
+          f"xmap {at} = {_list_repr(entry)}: axis names must be str, got {bad[0]!r}.",
+          fix=_SPEC_HELP))
     pairs = [(d, n) for d, n in enumerate(body) if n is not None]
     spec = AxisSpec(tuple(n for _, n in pairs), tuple(d for d, _ in pairs),
                     None if ellipsis else len(body), _list_repr(entry))

@@ -28,6 +28,8 @@ Example:
 from __future__ import annotations
 
 import functools
+import re
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,6 +41,7 @@ from partition import _mesh
 from partition._errors import (
   AxisNameError,
   LoopCollectiveError,
+  PartitionError,
   SpecError,
   format_message,
   fun_name,
@@ -105,7 +108,8 @@ class XMapped:
   def __init__(self, fun, in_axes, out_axes, *, axis_sizes, axis_resources, donate_argnums,
                mesh):
     if not callable(fun):
-      raise TypeError(f"xmap expects a callable as its first argument, got {fun!r}.")
+      raise SpecError(f"xmap expects a callable as its first argument, got {fun!r}; "
+                      "pass the function to map, e.g. xmap(jnp.sin, ['i', ...], ['i', ...]).")
     self._fun = fun
     self._name = fun_name(fun)
     if out_axes == ():
@@ -119,7 +123,8 @@ class XMapped:
     self._mesh = mesh
     self._out_names = _static_out_names(out_axes, self._name)
     self._cache: dict[Any, Any] = {}
-    functools.update_wrapper(self, fun)
+    # updated=(): copying fun.__dict__ would clobber our state when fun is itself an XMapped.
+    functools.update_wrapper(self, fun, updated=())
 
   def __repr__(self) -> str:
     return (f"xmap({self._name}, in_axes={self._in_axes!r}, out_axes={self._out_axes!r}, "
@@ -149,7 +154,7 @@ class XMapped:
     return hit
 
   def _plan(self, leaves, specs, paths, mesh) -> Plan:
-    names = _defined_names(specs, self._axis_sizes)
+    names = _defined_names(self._in_axes, self._axis_sizes)
     undefined = sorted(self._out_names - set(names))
     if undefined:
       raise AxisNameError(format_message(
@@ -175,7 +180,8 @@ class XMapped:
       tracer = Tracer(plan, self._fun, self._name, in_treedef, self._out_axes)
       split, labels = split_inputs(plan, leaves, specs)
       try:
-        outs = tracer.run(0, split, labels)
+        with _tracing(plan):
+          outs = tracer.run(0, split, labels)
       except NameError as e:
         raise _loop_collective_error(e, plan, self._name) from None
       outs = merge_outputs(tracer, outs)
@@ -203,10 +209,11 @@ def _loops_key():
   return tuple(sorted(named_loops().items()))
 
 
-def _defined_names(specs: Sequence[AxisSpec], axis_sizes: Mapping[str, int]) -> list[str]:
+def _defined_names(in_axes: Any, axis_sizes: Mapping[str, int]) -> list[str]:
+  """Names in any in_axes spec (also ones standing for empty containers) and axis_sizes."""
   names: dict[str, None] = {}
-  for spec in specs:
-    names.update(dict.fromkeys(spec.names))
+  for raw in jax.tree_util.tree_leaves(in_axes, is_leaf=is_spec_leaf):
+    names.update(dict.fromkeys(parse_leaf(raw, "in_axes").names))
   names.update(dict.fromkeys(axis_sizes))
   return list(names)
 
@@ -219,7 +226,7 @@ def _static_out_specs(out_axes) -> list[AxisSpec | Reduction]:
 def _static_out_names(out_axes, name) -> set[str]:
   try:
     return {n for s in _static_out_specs(out_axes) for n in spec_names(s)}
-  except SpecError:
+  except PartitionError:
     raise
   except Exception as e:  # pragma: no cover - unusual containers
     raise SpecError(f"xmap({name}): cannot read out_axes {out_axes!r}: {e}") from None
@@ -260,9 +267,35 @@ def _needs_move(x, target) -> bool:
   return sharding != target and not sharding.is_equivalent_to(target, x.ndim)
 
 
+class _Enclosing(threading.local):
+  def __init__(self):
+    self.axes: tuple[str, ...] = ()
+
+
+_enclosing = _Enclosing()
+
+
+class _tracing:
+  """Records the axes of the xmap being traced, for the shadowing check of nested xmaps
+  (loop-mapped axes are bound under private names, so lax.axis_size cannot see them)."""
+
+  def __init__(self, plan: Plan):
+    self.axes = tuple(plan.axes)
+
+  def __enter__(self):
+    self.saved = _enclosing.axes
+    _enclosing.axes = self.saved + self.axes
+
+  def __exit__(self, *exc):
+    _enclosing.axes = self.saved
+
+
 def _check_not_shadowing(plan: Plan, name: str) -> None:
   bound = []
   for axis in plan.axes:
+    if axis in _enclosing.axes:
+      bound.append(axis)
+      continue
     try:
       jax.lax.axis_size(axis)
     except NameError:
@@ -276,11 +309,14 @@ def _check_not_shadowing(plan: Plan, name: str) -> None:
         fix="Rename the inner axes."))
 
 
+_UNBOUND = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
+
+
 def _loop_collective_error(e: NameError, plan: Plan, name: str) -> Exception:
-  looped = [a for a in plan.loop_axes if a in str(e)]
-  if not looped:
+  match = _UNBOUND.search(str(e))
+  axis = match.group(1) if match else None
+  if axis not in plan.loop_axes:
     return e
-  axis = looped[0]
   return LoopCollectiveError(format_message(
       f"xmap({name}): a collective (psum, axis_index, all_gather, ...) refers to axis "
       f"{axis!r}, which is mapped to a serial loop {plan.axes[axis].resources_repr()}.",
