@@ -41,6 +41,7 @@ from partition import _mesh
 from partition._errors import (
   AxisNameError,
   LoopCollectiveError,
+  MeshError,
   PartitionError,
   SpecError,
   format_message,
@@ -174,10 +175,17 @@ class XMapped:
     has_mesh = mesh is not None and any(a.mesh_axes for a in plan.axes.values())
     in_shardings = tuple(_sharding(plan, s, mesh) for s in specs) if has_mesh else None
 
-    def program(*args):
-      leaves = jax.tree_util.tree_leaves(args)
+    # On a mesh with Explicit axes the body runs with all of them Auto (see program); nested
+    # xmaps then find them Auto already and need no region of their own.
+    explicit = (sorted(_mesh.explicit_axes(mesh))
+                if has_mesh and _mesh.explicit_axes(mesh) & _used_mesh_axes(plan) else [])
+
+    def traced(leaves):
       _check_not_shadowing(plan, self._name)
       tracer = Tracer(plan, self._fun, self._name, in_treedef, self._out_axes)
+      if explicit:  # inside the Auto region: re-apply the input placement as constraints
+        leaves = [jax.lax.with_sharding_constraint(x, _pspec(plan, s))
+                  for x, s in zip(leaves, specs)]
       split, labels = split_inputs(plan, leaves, specs)
       try:
         with _tracing(plan):
@@ -185,10 +193,35 @@ class XMapped:
       except NameError as e:
         raise _loop_collective_error(e, plan, self._name) from None
       outs = merge_outputs(tracer, outs)
-      if has_mesh:
-        outs = [_constrain(x, _sharding(plan, placed(s), mesh), mesh)
-                for x, s in zip(outs, tracer.out_specs)]
-      return jax.tree_util.tree_unflatten(tracer.out_treedef, outs)
+      out_specs = [_pspec(plan, placed(s)) for s in tracer.out_specs]
+      if has_mesh:  # inside an Auto region, a bare spec refers to the context mesh
+        outs = [jax.lax.with_sharding_constraint(x, spec if explicit else NamedSharding(mesh, spec))
+                for x, spec in zip(outs, out_specs)]
+      return outs, out_specs, tracer.out_treedef
+
+    def program(*args):
+      leaves = jax.tree_util.tree_leaves(args)
+      now_explicit = _still_explicit(mesh, explicit)
+      if not now_explicit:
+        outs, _, treedef = traced(leaves)
+      else:
+        # Explicit mesh axes: run the body with those axes made Auto (like
+        # jax.sharding.auto_axes, whose out_sharding we only know after tracing), so that
+        # vmap(spmd_axis_name=) places intermediates and collectives lower as on Auto meshes;
+        # then hand the outputs back with Explicit types.
+        base = _context_or(mesh)
+        auto = base.update_axis_types({a: jax.sharding.AxisType.Auto for a in now_explicit})
+        with jax.sharding.use_abstract_mesh(auto):
+          leaves = jax.sharding.reshard(leaves, [PartitionSpec()] * len(leaves))
+          try:
+            outs, out_specs, treedef = traced(leaves)
+          except ValueError as e:
+            if "should match the aval mesh" not in str(e):
+              raise
+            raise _explicit_closure_error(self._name, mesh) from e
+        outs = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+                for x, spec in zip(outs, out_specs)]
+      return jax.tree_util.tree_unflatten(treedef, outs)
 
     program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
     flat_in = None
@@ -232,19 +265,47 @@ def _static_out_names(out_axes, name) -> set[str]:
     raise SpecError(f"xmap({name}): cannot read out_axes {out_axes!r}: {e}") from None
 
 
-def _sharding(plan: Plan, spec: AxisSpec, mesh) -> NamedSharding:
-  rank = None
-  entries: dict[int, Any] = {}
-  for name, dim in zip(spec.names, spec.dims):
-    entries[dim] = plan.mesh_spec_entry([name])
+def _pspec(plan: Plan, spec: AxisSpec) -> PartitionSpec:
+  """The planned PartitionSpec of a leaf: each named dim on its axis' mesh axes."""
+  entries = {dim: plan.mesh_spec_entry([name]) for name, dim in zip(spec.names, spec.dims)}
   rank = max(entries) + 1 if entries else 0
-  return NamedSharding(mesh, PartitionSpec(*(entries.get(d) for d in range(rank))))
+  return PartitionSpec(*(entries.get(d) for d in range(rank)))
 
 
-def _constrain(x, sharding: NamedSharding, mesh):
-  if _mesh.explicit_axes(mesh):
-    return jax.sharding.reshard(x, sharding)
-  return jax.lax.with_sharding_constraint(x, sharding)
+def _sharding(plan: Plan, spec: AxisSpec, mesh) -> NamedSharding:
+  return NamedSharding(mesh, _pspec(plan, spec))
+
+
+def _explicit_closure_error(name: str, mesh) -> MeshError:
+  return MeshError(format_message(
+      f"xmap({name}): the function uses a value with Explicit sharding on "
+      f"{_mesh.describe(mesh)} that is not one of its arguments (a closure over an array or "
+      "tracer from outside).",
+      context=["On meshes with Explicit axes, xmap runs its body with those axes Auto (as "
+               "jax.sharding.auto_axes does), and JAX rejects mixing the two."],
+      fix="Pass the value to the xmapped function as an argument (in_axes [...] if it has no "
+          "named dims), or use an Auto mesh."))
+
+
+def _context_or(mesh) -> jax.sharding.AbstractMesh:
+  """The abstract mesh in context while tracing (an enclosing xmap may have made some axes
+  Auto already), else ``mesh``'s."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty:
+    return context
+  return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+
+
+def _still_explicit(mesh, axes) -> list[str]:
+  if not axes:
+    return []
+  base = _context_or(mesh)
+  types = dict(zip(base.axis_names, base.axis_types))
+  return [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
+
+
+def _used_mesh_axes(plan: Plan) -> frozenset[str]:
+  return frozenset(a for ax in plan.axes.values() for a in ax.mesh_axes)
 
 
 def _place(args, targets):
