@@ -168,7 +168,8 @@ class XMapped:
     check_cooccurrence(specs, [f"argument{p}" for p in paths], axes, self._name)
     out_specs = _static_out_specs(self._out_axes)
     check_cooccurrence(out_specs, [f"out_axes entry {s!r}" for s in out_specs], axes, self._name)
-    return build_plan(axes, mesh)
+    order = _level_order(out_specs, leaves, specs, names)
+    return build_plan({n: axes[n] for n in order}, mesh)
 
   def _compile(self, plan: Plan, in_treedef, specs):
     mesh = plan.mesh
@@ -285,6 +286,20 @@ def _explicit_closure_error(name: str, mesh) -> MeshError:
                "jax.sharding.auto_axes does), and JAX rejects mixing the two."],
       fix="Pass the value to the xmapped function as an argument (in_axes [...] if it has no "
           "named dims), or use an Auto mesh."))
+
+
+def _level_order(out_specs, leaves, specs, names) -> list[str]:
+  """Outermost first: axes in the order out_axes mentions them, then as they appear in the
+  largest inputs. That is the major-to-minor layout a hand-written nest of vmaps follows,
+  and XLA lays out the intermediates accordingly."""
+  sizes = [int(np.prod(np.shape(x))) for x in leaves]
+  ordered: dict[str, None] = {}
+  for spec in out_specs:
+    ordered.update(dict.fromkeys(spec_names(spec)))
+  for i in sorted(range(len(leaves)), key=lambda i: -sizes[i]):
+    ordered.update(dict.fromkeys(specs[i].names[j] for j in np.argsort(specs[i].dims)))
+  ordered.update(dict.fromkeys(names))
+  return list(ordered)
 
 
 def _context_or(mesh) -> jax.sharding.AbstractMesh:
