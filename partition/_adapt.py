@@ -10,9 +10,6 @@ Sharded initialisation is the same three steps everywhere:
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -67,21 +64,9 @@ def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
   return tuple(out)
 
 
-@contextlib.contextmanager
-def rules_context(rules: AxisRules, mesh: AnyMesh | None) -> Iterator[AxisRules]:
-  """``partition.axis_rules(rules, mesh)``, plus flax's own rules if flax is imported.
-
-  With flax's rules set, ``nn.with_logical_constraint`` and the constraint that
-  ``nn.LogicallyPartitioned`` applies when unboxed resolve through the same table (flax's
-  resolver has no divisibility fallback; for parameters the rules give the same spec).
-  """
-  with contextlib.ExitStack() as stack:
-    found = stack.enter_context(axis_rules(rules, mesh))
-    if found is not None and "flax.core.spmd" in sys.modules:
-      from flax.core import spmd
-
-      stack.enter_context(spmd.logical_axis_rules(flax_rules(found, current_rules_mesh(mesh))))
-    yield found
+def rules_context(rules: AxisRules, mesh: AnyMesh | None):
+  """``partition.axis_rules(rules, mesh)`` (which also sets flax's rules when flax is used)."""
+  return axis_rules(rules, mesh)
 
 
 def apply_path_rules(tree: Any, param_axes: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,10 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[AxisRules]:
       enclosing one (and, if none, the ``jax.set_mesh`` mesh is used). This does not call
       ``jax.set_mesh``: programs on Explicit meshes still need that.
 
+  If flax is in use, flax's ``nn.logical_axis_rules`` is set to the same table, so
+  ``nn.with_logical_constraint`` in existing linen models takes effect too (flax applies it
+  only under ``jax.set_mesh`` and on Auto mesh axes).
+
   Yields:
     The rules in effect.
 
@@ -58,7 +63,17 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[AxisRules]:
   new_mesh = old_mesh if mesh is None else current_mesh(mesh)  # validates the type
   token = _STATE.set((new_rules, new_mesh))
   try:
-    yield new_rules
+    with contextlib.ExitStack() as stack:
+      if new_rules is not None and "flax.core.spmd" in sys.modules:
+        # Models that use flax's own nn.with_logical_constraint resolve through the same
+        # table (flax is only consulted if the user's program already imported it).
+        from flax.core import spmd
+
+        from partition._adapt import flax_rules
+
+        stack.enter_context(spmd.logical_axis_rules(
+            flax_rules(new_rules, new_mesh if new_mesh is not None else current_mesh())))
+      yield new_rules
   finally:
     _STATE.reset(token)
 

@@ -156,14 +156,16 @@ def test_with_axes_errors():
     partition.flax.with_axes(int, params={})
 
 
-def test_flax_own_constraint_takes_effect_under_partition_flax_axis_rules():
+@pytest.mark.parametrize("context", [partition.axis_rules, partition.flax.axis_rules],
+                         ids=["partition.axis_rules", "partition.flax.axis_rules"])
+def test_flax_own_constraint_takes_effect_under_axis_rules(context):
   mesh = _mesh((4, 2), AxisType.Auto)
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
                                           mesh=mesh)
   with jax.set_mesh(mesh):  # fresh functions: jit's trace cache ignores flax's rules
     without = jax.jit(lambda v, x: Block().apply(v, x)).lower(variables, x).as_text()
-    with partition.flax.axis_rules(RULES, mesh):
+    with context(RULES, mesh):
       with_rules = jax.jit(lambda v, x: Block().apply(v, x)).lower(variables, x).as_text()
   # flax drops nn.with_logical_constraint without rules; ours sets flax's rules too.
   assert with_rules.count("sharding_constraint") > without.count("sharding_constraint")
