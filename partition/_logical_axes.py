@@ -209,11 +209,11 @@ def logical_axes(tree: Any) -> Any:
 
   def one(path, leaf):
     axes = leaf_axes(leaf)
-    shape = getattr(param_value(leaf), "shape", None)
-    if axes is not None and shape is not None and len(axes) != len(shape):
+    shape = rank_mismatch(axes, leaf)
+    if shape is not None:
       where = jax.tree_util.keystr(path) or "<root>"
       problems.append(f"{where}: logical axes {axes} name {len(axes)} dims but the "
-                      f"parameter has shape {tuple(shape)}")
+                      f"parameter has shape {shape}")
     return axes
 
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
@@ -224,6 +224,14 @@ def logical_axes(tree: Any) -> Any:
         fix="Give one logical name (or None) per dim of each parameter, e.g. "
             "('embed', 'mlp') for a 2-D kernel."))
   return out
+
+
+def rank_mismatch(axes: Any, leaf: Any) -> tuple[int, ...] | None:
+  """The parameter's shape if ``axes`` names a different number of dims, else None."""
+  shape = getattr(param_value(leaf), "shape", None)
+  if axes is None or shape is None or len(axes) == len(shape):
+    return None
+  return tuple(shape)
 
 
 def unbox(tree: Any) -> Any:

@@ -30,11 +30,11 @@ import jax
 
 from partition._errors import PartitionError, format_message
 from partition._logical_axes import (
-    Annotated,
-    _is_nnx_variable,
-    is_param_leaf,
-    leaf_axes,
-    param_value,
+  Annotated,
+  _is_nnx_variable,
+  is_param_leaf,
+  leaf_axes,
+  rank_mismatch,
 )
 
 AXES_FIX = "Write each entry as (regex, logical_axes), e.g. (r'.*/kernel$', ('embed', 'mlp'))."
@@ -185,10 +185,10 @@ class PathRules:
         return None
       index, axes = hit
       matched[name] = index
-      shape = getattr(param_value(leaf), "shape", None)
-      if axes is not None and shape is not None and len(axes) != len(shape):
+      shape = rank_mismatch(axes, leaf)
+      if shape is not None:
         problems.append(f"{name}: pattern #{index} {self.pairs[index][0]!r} gives {axes} "
-                        f"({len(axes)} dims) but the parameter has shape {tuple(shape)}")
+                        f"({len(axes)} dims) but the parameter has shape {shape}")
       return axes
 
     axes_tree = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
