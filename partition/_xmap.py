@@ -225,11 +225,9 @@ class XMapped:
       return jax.tree_util.tree_unflatten(treedef, outs)
 
     program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
-    flat_in = None
-    if in_shardings is not None:
-      flat_in = jax.tree_util.tree_unflatten(in_treedef, list(in_shardings))
-    jitted = jax.jit(program, in_shardings=flat_in if flat_in is not None else None,
-                     donate_argnums=self._donate)
+    flat_in = None if in_shardings is None else jax.tree_util.tree_unflatten(
+        in_treedef, list(in_shardings))
+    jitted = jax.jit(program, in_shardings=flat_in, donate_argnums=self._donate)
     return jitted, in_shardings
 
 
