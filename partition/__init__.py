@@ -3,7 +3,14 @@
 # --- xmap core (issue 2) ---
 from partition._resources import SerialLoop as SerialLoop
 from partition._resources import serial_loop as serial_loop
+from partition._errors import AxisNameError as AxisNameError
+from partition._errors import AxisSizeError as AxisSizeError
+from partition._errors import LoopCollectiveError as LoopCollectiveError
+from partition._errors import MeshError as MeshError
+from partition._errors import OutputAxesError as OutputAxesError
 from partition._errors import PartitionError as PartitionError
+from partition._errors import ResourceError as ResourceError
+from partition._errors import SpecError as SpecError
 from partition._specs import Mean as Mean
 from partition._specs import Sum as Sum
 from partition._xmap import xmap as xmap
