@@ -43,9 +43,10 @@ class Loop:
 
   uid: str
   length: int
+  named: bool = False  # bound by serial_loop(name, n) (shareable), else one SerialLoop(n)
 
   def __repr__(self) -> str:
-    return self.uid if not self.uid.startswith("#") else f"SerialLoop({self.length})"
+    return self.uid if self.named else f"SerialLoop({self.length})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +99,14 @@ class Plan:
   def label_size(self, label: Label) -> int:
     return dict(self.axes[label[0]].sub_dims())[label]
 
-  def mesh_spec_entry(self, names: Sequence[str]) -> Any:
-    """The PartitionSpec entry of a dim carrying axes ``names`` (None if unsharded)."""
-    axes = tuple(a for n in names for a in self.axes[n].mesh_axes)
-    return axes if axes else None
+  @property
+  def mesh_axes(self) -> frozenset[str]:
+    """The mesh axes any named axis is placed on (empty: nothing is sharded)."""
+    return frozenset(a for ax in self.axes.values() for a in ax.mesh_axes)
+
+  def mesh_spec_entry(self, name: str) -> Any:
+    """The PartitionSpec entry of a dim carrying axis ``name`` (None if unsharded)."""
+    return self.axes[name].mesh_axes or None
 
 
 # ----------------------------------------------------------------------------- sizes
@@ -192,7 +197,7 @@ def normalize_resources(axis_resources: Any, names: Sequence[str], sizes: Mappin
         if r in mesh_sizes:
           raise ResourceError(f"xmap({fun}): resource {r!r} of axis {name!r} is both a mesh "
                               "axis and a serial_loop name; rename the loop.")
-        loops.append(Loop(r, loops_in_scope[r]))
+        loops.append(Loop(r, loops_in_scope[r], named=True))
       elif isinstance(r, str):
         if loops:
           raise ResourceError(format_message(
@@ -205,7 +210,7 @@ def normalize_resources(axis_resources: Any, names: Sequence[str], sizes: Mappin
             f"xmap({fun}): axis_resources[{name!r}] contains {r!r}, which is not a resource.",
             fix="A resource is a mesh axis name (str), a SerialLoop(n), a name bound by "
                 "serial_loop(name, n), or a tuple of them (mesh axes first)."))
-    keys = mesh_axes + [lp.uid for lp in loops if not lp.uid.startswith("#")]
+    keys = mesh_axes + [lp.uid for lp in loops if lp.named]
     if len(set(keys)) != len(keys):
       raise ResourceError(f"xmap({fun}): axis_resources[{name!r}] = {raw!r} repeats a resource; "
                           "each resource may appear once per axis.")
@@ -257,7 +262,7 @@ def check_cooccurrence(specs: Sequence[AxisSpec | Reduction], where: Sequence[st
     owner: dict[str, str] = {}
     for name in spec_names(spec):
       plan = axes[name]
-      for res in plan.mesh_axes + tuple(lp.uid for lp in plan.loops if not lp.uid.startswith("#")):
+      for res in plan.mesh_axes + tuple(lp.uid for lp in plan.loops if lp.named):
         if res in owner and owner[res] != name:
           errors.append(f"{w} carries axes {owner[res]!r} and {name!r}, both on resource {res!r}")
         owner.setdefault(res, name)

@@ -239,14 +239,8 @@ def split_inputs(plan: Plan, leaves, specs) -> tuple[list[Any], list[tuple[Label
           shape.append(sub)
           labs.append(lab)
     out.append(x if tuple(shape) == jnp.shape(x) else jnp.reshape(x, shape))
-    labels.append(tuple(_renumber(labs)))
+    labels.append(tuple(labs))
   return out, labels
-
-
-def _renumber(labels):
-  """Positional labels count only positional dims: (None, 0), (None, 1), ..."""
-  positional = iter(range(len(labels)))
-  return [(None, next(positional)) if lab[0] is None else lab for lab in labels]
 
 
 def merge_outputs(tracer: Tracer, outs: Sequence[Any]) -> list[Any]:

@@ -216,7 +216,7 @@ def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
   path_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
   leaves = [leaf for _, leaf in path_leaves]
   paths = [jax.tree_util.keystr(p) for p, _ in path_leaves]
-  spec_paths, spec_leaves_def = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)
+  spec_leaves_def = jax.tree_util.tree_structure(specs, is_leaf=is_spec_leaf)
   what = "arguments" if arg_name == "in_axes" else "outputs"
   try:
     per_leaf = spec_leaves_def.flatten_up_to(tree)
@@ -229,13 +229,20 @@ def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
             "tuple, one entry per argument), or a single spec that applies to all of them."
     )) from None
   parsed: list[Any] = []
-  for (spec_path, raw), subtree in zip(spec_paths, per_leaf):
-    where = jax.tree_util.keystr(spec_path)
-    spec = raw if isinstance(raw, Reduction) else parse_leaf(raw, arg_name, where)
-    if isinstance(raw, Reduction) and arg_name != "out_axes":
-      raise SpecError(f"xmap {arg_name}{where} = {raw!r}: Sum/Mean only make sense in out_axes.")
+  for spec, subtree in zip(parse_specs(specs, arg_name), per_leaf):
     parsed.extend([spec] * len(jax.tree_util.tree_leaves(subtree)))
   return leaves, parsed, paths, treedef
+
+
+def parse_specs(specs: Any, arg_name: str) -> list[AxisSpec | Reduction]:
+  """Every spec leaf of an ``in_axes``/``out_axes`` tree, parsed (errors name its keypath)."""
+  parsed = []
+  for spec_path, raw in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
+    where = jax.tree_util.keystr(spec_path)
+    if isinstance(raw, Reduction) and arg_name != "out_axes":
+      raise SpecError(f"xmap {arg_name}{where} = {raw!r}: Sum/Mean only make sense in out_axes.")
+    parsed.append(raw if isinstance(raw, Reduction) else parse_leaf(raw, arg_name, where))
+  return parsed
 
 
 def spec_names(spec: AxisSpec | Reduction) -> tuple[AxisName, ...]:

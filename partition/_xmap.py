@@ -42,7 +42,6 @@ from partition._errors import (
   AxisNameError,
   LoopCollectiveError,
   MeshError,
-  PartitionError,
   SpecError,
   format_message,
   fun_name,
@@ -56,13 +55,12 @@ from partition._plan import (
   normalize_resources,
 )
 from partition._program import Tracer, merge_outputs, split_inputs
+from partition._resources import named_loops
 from partition._specs import (
   AxisSpec,
-  Reduction,
   canonical_in_axes,
   flatten_specs,
-  is_spec_leaf,
-  parse_leaf,
+  parse_specs,
   placed,
   spec_names,
 )
@@ -122,7 +120,10 @@ class XMapped:
     self._axis_resources = axis_resources
     self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     self._mesh = mesh
-    self._out_names = _static_out_names(out_axes, self._name)
+    # Everything that depends on in_axes/out_axes alone is read once, here.
+    self._in_names = _defined_names(self._in_axes, self._axis_sizes)
+    self._out_specs = parse_specs(out_axes, "out_axes")
+    self._out_names = {n for spec in self._out_specs for n in spec_names(spec)}
     self._cache: dict[Any, Any] = {}
     # updated=(): copying fun.__dict__ would clobber our state when fun is itself an XMapped.
     functools.update_wrapper(self, fun, updated=())
@@ -155,7 +156,7 @@ class XMapped:
     return hit
 
   def _plan(self, leaves, specs, paths, mesh) -> Plan:
-    names = _defined_names(self._in_axes, self._axis_sizes)
+    names = self._in_names
     undefined = sorted(self._out_names - set(names))
     if undefined:
       raise AxisNameError(format_message(
@@ -166,20 +167,20 @@ class XMapped:
     resources = normalize_resources(self._axis_resources, names, sizes, mesh, self._name)
     axes = check_divisible(resources, sizes, source, mesh, self._name)
     check_cooccurrence(specs, [f"argument{p}" for p in paths], axes, self._name)
-    out_specs = _static_out_specs(self._out_axes)
+    out_specs = self._out_specs
     check_cooccurrence(out_specs, [f"out_axes entry {s!r}" for s in out_specs], axes, self._name)
     order = _level_order(out_specs, leaves, specs, names)
     return build_plan({n: axes[n] for n in order}, mesh)
 
   def _compile(self, plan: Plan, in_treedef, specs):
     mesh = plan.mesh
-    has_mesh = mesh is not None and any(a.mesh_axes for a in plan.axes.values())
+    has_mesh = bool(plan.mesh_axes)  # _plan checked that a mesh exists then
     in_shardings = tuple(_sharding(plan, s, mesh) for s in specs) if has_mesh else None
 
     # On a mesh with Explicit axes the body runs with all of them Auto (see program); nested
     # xmaps then find them Auto already and need no region of their own.
     explicit = (sorted(_mesh.explicit_axes(mesh))
-                if has_mesh and _mesh.explicit_axes(mesh) & _used_mesh_axes(plan) else [])
+                if _mesh.explicit_axes(mesh) & plan.mesh_axes else [])
 
     def traced(leaves):
       _check_not_shadowing(plan, self._name)
@@ -237,36 +238,21 @@ def _shape_dtype(x):
 
 
 def _loops_key():
-  from partition._resources import named_loops
   return tuple(sorted(named_loops().items()))
 
 
 def _defined_names(in_axes: Any, axis_sizes: Mapping[str, int]) -> list[str]:
   """Names in any in_axes spec (also ones standing for empty containers) and axis_sizes."""
   names: dict[str, None] = {}
-  for raw in jax.tree_util.tree_leaves(in_axes, is_leaf=is_spec_leaf):
-    names.update(dict.fromkeys(parse_leaf(raw, "in_axes").names))
+  for spec in parse_specs(in_axes, "in_axes"):
+    names.update(dict.fromkeys(spec.names))
   names.update(dict.fromkeys(axis_sizes))
   return list(names)
 
 
-def _static_out_specs(out_axes) -> list[AxisSpec | Reduction]:
-  raw = jax.tree_util.tree_leaves(out_axes, is_leaf=is_spec_leaf)
-  return [r if isinstance(r, Reduction) else parse_leaf(r, "out_axes") for r in raw]
-
-
-def _static_out_names(out_axes, name) -> set[str]:
-  try:
-    return {n for s in _static_out_specs(out_axes) for n in spec_names(s)}
-  except PartitionError:
-    raise
-  except Exception as e:  # pragma: no cover - unusual containers
-    raise SpecError(f"xmap({name}): cannot read out_axes {out_axes!r}: {e}") from None
-
-
 def _pspec(plan: Plan, spec: AxisSpec) -> PartitionSpec:
   """The planned PartitionSpec of a leaf: each named dim on its axis' mesh axes."""
-  entries = {dim: plan.mesh_spec_entry([name]) for name, dim in zip(spec.names, spec.dims)}
+  entries = {dim: plan.mesh_spec_entry(name) for name, dim in zip(spec.names, spec.dims)}
   rank = max(entries) + 1 if entries else 0
   return PartitionSpec(*(entries.get(d) for d in range(rank)))
 
@@ -295,7 +281,7 @@ def _level_order(out_specs, leaves, specs, names) -> list[str]:
   for spec in out_specs:
     ordered.update(dict.fromkeys(spec_names(spec)))
   for i in sorted(range(len(leaves)), key=lambda i: -sizes[i]):
-    ordered.update(dict.fromkeys(specs[i].names[j] for j in np.argsort(specs[i].dims)))
+    ordered.update(dict.fromkeys(specs[i].names))  # names are in dim order
   ordered.update(dict.fromkeys(names))
   return list(ordered)
 
@@ -315,10 +301,6 @@ def _still_explicit(mesh, axes) -> list[str]:
   base = _context_or(mesh)
   types = dict(zip(base.axis_names, base.axis_types))
   return [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
-
-
-def _used_mesh_axes(plan: Plan) -> frozenset[str]:
-  return frozenset(a for ax in plan.axes.values() for a in ax.mesh_axes)
 
 
 def _place(args, targets):
