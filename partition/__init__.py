@@ -37,3 +37,5 @@ from partition._logical_axes import unbox as unbox
 from partition._path_rules import PathMatch as PathMatch
 from partition._path_rules import PathRules as PathRules
 from partition._path_rules import PathRulesError as PathRulesError
+from partition._audit import PlacementError as PlacementError
+from partition._audit import ReplicatedWarning as ReplicatedWarning

@@ -1,0 +1,293 @@
+"""Never silently replicated: a placement audit shared by every adapter's ``init_sharded``.
+
+After an adapter has resolved one ``PartitionSpec`` per parameter, it calls
+:func:`audit_placement` before anything is allocated. The audit looks at what the user asked
+for (logical axes, path patterns) next to what was placed:
+
+* ``strict=True``: every name without a rule, path without axes, unused path pattern, rule or
+  spec naming a mesh axis the mesh lacks, and dim that no candidate divides is collected into
+  ONE :class:`PlacementError` (paths written ``a/b/c``).
+* ``strict=False``: ONE :class:`ReplicatedWarning` listing the parameters left fully
+  replicated on a mesh of more than one device, with the bytes that costs each device. It is
+  emitted only if at least one of them holds ``warn_bytes`` or more (default
+  :data:`WARN_BYTES`, 64 KiB, a 128 x 128 float32 kernel), so small biases and norm scales
+  never nag.
+
+Specs that would make JAX fail anyway (a ``PartitionSpec`` leaf, e.g. from
+``nn.with_partitioning``, naming a mesh axis the mesh lacks or not dividing its dim) are
+errors in both modes, with the path and the fix instead of JAX's text.
+
+The module is framework-free: trees are plain pytrees of arrays / ``ShapeDtypeStruct``s,
+logical-axes tuples and ``PartitionSpec``s / ``NamedSharding``s.
+
+>>> import warnings, jax, jax.numpy as jnp, partition
+>>> from partition._audit import audit_placement
+>>> mesh = jax.make_mesh((8,), ('fsdp',))
+>>> rules = partition.AxisRules([('embed', 'fsdp')])
+>>> tree = {'w': jax.ShapeDtypeStruct((256, 128), jnp.float32)}
+>>> axes = {'w': ('embd', 'mlp')}
+>>> specs = rules.tree_specs(axes, tree, mesh)
+>>> with warnings.catch_warnings(record=True) as caught:
+...   warnings.simplefilter('always')
+...   audit_placement(tree, axes, specs, rules, mesh, strict=False, api='demo')
+>>> print(caught[0].message)  # doctest: +ELLIPSIS
+demo: 1 parameter(s) are fully replicated on 8 devices, 128.00 KiB per device:
+  * w f32[256,128] ('embd', 'mlp'): no rule for 'embd' (did you mean 'embed'?), no rule for 'mlp'
+Add rules for those names, ... or pass strict=True to make this an error.
+>>> audit_placement(tree, axes, specs, rules, mesh, strict=True, api='demo')
+Traceback (most recent call last):
+...
+partition._audit.PlacementError: demo(strict=True): 2 problem(s) in the placement of the parameters:
+  mesh: mesh(fsdp=8 Explicit)
+  * w dim 0: logical axis 'embd' has no rule (did you mean 'embed'?)
+  * w dim 1: logical axis 'mlp' has no rule
+Add a rule for each name (or fix the typo), ... or pass strict=False.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from partition._config import did_you_mean
+from partition._errors import PartitionError, format_message
+from partition._mesh import AnyMesh, axis_sizes, describe
+from partition._path_rules import PathMatch, path_str
+from partition._resolve import INDIVISIBLE, Resolution
+from partition._rules import AxisRules, is_axes_leaf
+
+WARN_BYTES = 64 * 1024
+"""Default ``warn_bytes``: a replicated parameter this large (bytes) triggers the warning."""
+
+_SHOWN = 8  # bullets shown in the warning before "and N more"
+
+STRICT_FIX = (
+    "Add a rule for each name (or fix the typo), give unmatched parameters axes (a PathRules "
+    "pattern, None to replicate on purpose), remove unused patterns, pad the dims or choose "
+    "rules that divide them; or pass strict=False.")
+
+SPEC_FIX = ("Mesh axes given directly (nn.with_partitioning, a PartitionSpec) must be axes of "
+            "the mesh and divide their dims: fix the name, use a logical name with a rule "
+            "instead, or pad the dim.")
+
+
+class PlacementError(PartitionError, ValueError):
+  """``strict=True`` placement found names, paths or dims that would not be sharded as asked."""
+
+
+class ReplicatedWarning(UserWarning):
+  """Parameters were left fully replicated on a multi-device mesh (``strict=False``)."""
+
+
+def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: AxisRules,
+                    mesh: AnyMesh, *, strict: bool, api: str,
+                    path_match: PathMatch | None = None,
+                    warn_bytes: int = WARN_BYTES) -> None:
+  """Checks a resolved placement; raises (strict) or warns (replicated) as described above.
+
+  Args:
+    abstract_tree: the parameters, unboxed: arrays or ``jax.ShapeDtypeStruct``s. Nodes
+      without a ``shape`` (e.g. optax's ``EmptyState``) are skipped.
+    axes_tree: the matching tree of logical axes (``partition.AxisRules.tree_specs``'s
+      input): a tuple of names per parameter (shorter than the rank: a prefix, trailing dims
+      replicated), ``None`` for unannotated, or a ``PartitionSpec`` of mesh axes.
+    specs_tree: the matching tree of resolved ``PartitionSpec``s or ``NamedSharding``s (what
+      will be placed).
+    rules: the rules the specs were resolved with.
+    mesh: the mesh (concrete or abstract).
+    strict: raise one :class:`PlacementError` listing every problem instead of warning.
+    api: the public entry point, for the messages (e.g. ``'partition.flax.init_sharded'``).
+    path_match: the :class:`partition.PathMatch` of the path table, if one was used; in
+      strict mode its unmatched paths and unused patterns are problems too.
+    warn_bytes: warn only if a replicated parameter has at least this many bytes.
+
+  Raises:
+    PlacementError: with ``strict=True`` on any problem; in both modes for a
+      ``PartitionSpec`` leaf that names a mesh axis the mesh lacks or does not divide a dim.
+
+  Warns:
+    ReplicatedWarning: with ``strict=False``, once, if a parameter of ``warn_bytes`` or
+      more is fully replicated on a mesh of more than one device.
+  """
+  sizes = dict(axis_sizes(mesh))
+  leaves = _leaves(abstract_tree, axes_tree, specs_tree)
+  fatal, problems, replicated = [], [], []
+  for path, leaf, axes, spec in leaves:
+    fatal += _spec_problems(path, leaf, axes, sizes)
+    res = _resolution(rules, axes, leaf, mesh)
+    if strict:
+      problems += _strict_problems(path, axes, res, rules, sizes)
+    if _is_replicated(leaf, spec, sizes):
+      replicated.append((path, leaf, axes, res))
+  if strict and path_match is not None:
+    problems += [f"{p}: no declared axes and no path pattern matches it"
+                 for p in path_match.unmatched]
+    problems += [f"path pattern {p!r} matches no parameter" for p in path_match.unused]
+  if fatal or problems:
+    _raise(api, strict, fatal + problems, mesh, STRICT_FIX if problems else SPEC_FIX)
+  if not strict and math.prod(sizes.values()) > 1:
+    _warn(api, replicated, rules, sizes, warn_bytes)
+
+
+def _leaves(abstract_tree, axes_tree, specs_tree) -> list[tuple[str, Any, Any, Any]]:
+  """``(a/b/c path, array, axes, spec)`` per parameter that has a shape."""
+  out = []
+
+  def one(path, axes, leaf, spec):
+    if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+      if isinstance(spec, NamedSharding):
+        spec = spec.spec
+      out.append((path_str(path) or "<root>", leaf, axes, spec))
+
+  jax.tree_util.tree_map_with_path(one, axes_tree, abstract_tree, specs_tree,
+                                   is_leaf=_is_axes_leaf)
+  return out
+
+
+def _is_axes_leaf(x: Any) -> bool:
+  # An empty NamedTuple (optax's EmptyState) is a node of the params tree, not "no axes".
+  if isinstance(x, tuple) and not x and type(x) is not tuple:
+    return False
+  return is_axes_leaf(x)
+
+
+def _names(axes: Any) -> tuple:
+  return tuple(axes) if isinstance(axes, (tuple, list)) else ()
+
+
+def _resolution(rules: AxisRules, axes: Any, leaf: Any, mesh: AnyMesh) -> Resolution | None:
+  """Non-strict resolution of logical axes (padded to the rank), or None for specs / None."""
+  names = _names(axes)
+  if not names or isinstance(axes, PartitionSpec) or len(names) > len(leaf.shape):
+    return None
+  names = names + (None,) * (len(leaf.shape) - len(names))
+  return rules.resolve(names, tuple(leaf.shape), mesh)
+
+
+def _spec_problems(path: str, leaf: Any, axes: Any, sizes: Mapping[str, int]) -> list[str]:
+  """Problems of a ``PartitionSpec`` leaf (mesh axes given directly) that JAX would reject."""
+  if not isinstance(axes, PartitionSpec):
+    return []
+  out = []
+  for i, entry in enumerate(tuple(axes)):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      continue
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    missing = [a for a in names if a not in sizes]
+    out += [f"{path} dim {i}: {axes} names mesh axis {a!r}, which the mesh lacks"
+            f"{did_you_mean(a, list(sizes))}" for a in missing]
+    factor = math.prod(sizes.get(a, 1) for a in names)
+    if not missing and i < len(leaf.shape) and leaf.shape[i] % factor:
+      out.append(f"{path} dim {i}: size {leaf.shape[i]} is not divisible by {factor} "
+                 f"(mesh axes {names} of {axes})")
+  return out
+
+
+def _strict_problems(path: str, axes: Any, res: Resolution | None, rules: AxisRules,
+                     sizes: Mapping[str, int]) -> list[str]:
+  if res is None:
+    return []
+  out = []
+  for d in res.dims:
+    if not isinstance(d.logical, str) or not d.logical:
+      continue
+    if d.logical not in rules.names:
+      hint = did_you_mean(d.logical, rules.names)
+      if d.logical in sizes:
+        hint += (f" ({d.logical!r} is a mesh axis: give mesh axes with nn.with_partitioning "
+                 "/ a PartitionSpec, or add the rule")
+        hint += f" [{d.logical}, {d.logical}])"
+      out.append(f"{path} dim {d.index}: logical axis {d.logical!r} has no rule{hint}")
+      continue
+    for a in d.attempts:
+      out += [f"{path} dim {d.index} {d.logical!r}: rule #{a.rule} names {m!r}, which is "
+              f"not a mesh axis{did_you_mean(m, list(sizes))}"
+              for m in _missing(a.value, sizes)]
+    if d.rule is None and any(a.outcome == INDIVISIBLE for a in d.attempts):
+      tried = "; ".join(a.detail for a in d.attempts if a.outcome == INDIVISIBLE)
+      out.append(f"{path} dim {d.index} {d.logical!r}: no rule divides it ({tried})")
+  return out
+
+
+def _missing(value: Any, sizes: Mapping[str, int]) -> list[str]:
+  return [r for r in value or () if isinstance(r, str) and r not in sizes]
+
+
+def _is_replicated(leaf: Any, spec: Any, sizes: Mapping[str, int]) -> bool:
+  if not leaf.shape or math.prod(sizes.values()) <= 1:
+    return False
+  for entry in tuple(spec) if isinstance(spec, PartitionSpec) else ():
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      continue
+    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    if math.prod(sizes.get(a, 1) for a in names) > 1:
+      return False
+  return True
+
+
+def _nbytes(leaf: Any) -> int:
+  return math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+
+
+def _reason(axes: Any, res: Resolution | None, rules: AxisRules) -> str:
+  """Why a parameter ended up replicated, in a few words."""
+  if axes is None or not _names(axes) or all(a is None for a in _names(axes)):
+    return "no logical axes"
+  if res is None:
+    return f"{axes}"
+  parts = []
+  for d in res.dims:
+    if not isinstance(d.logical, str):
+      continue
+    if d.logical not in rules.names:
+      parts.append(f"no rule for {d.logical!r}{did_you_mean(d.logical, rules.names)}")
+    elif d.rule is None and d.attempts:
+      parts.append(f"{d.logical!r}: " + "; ".join(
+          f"{a.outcome}" + (f" ({a.detail})" if a.detail else "") for a in d.attempts))
+    else:
+      parts.append(repr(d.logical))
+  return ", ".join(parts)
+
+
+def _short(leaf: Any) -> str:
+  from partition._logical_axes import _dtype_shape
+
+  return _dtype_shape(leaf.dtype, leaf.shape)
+
+
+def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int],
+          warn_bytes: int) -> None:
+  if not any(_nbytes(leaf) >= warn_bytes for _, leaf, _, _ in replicated):
+    return
+  replicated = sorted(replicated, key=lambda r: -_nbytes(r[1]))
+  total = sum(_nbytes(leaf) for _, leaf, _, _ in replicated)
+  bullets = []
+  for path, leaf, axes, res in replicated[:_SHOWN]:
+    label = "" if axes is None else f" {tuple(axes)}"
+    reason = _reason(axes, res, rules)
+    bullets.append(f"{path} {_short(leaf)}{label}: {reason}" if label
+                   else f"{path} {_short(leaf)}: {reason}")
+  if len(replicated) > _SHOWN:
+    bullets.append(f"... and {len(replicated) - _SHOWN} more")
+  from partition._explain import human_bytes
+
+  warnings.warn(format_message(
+      f"{api}: {len(replicated)} parameter(s) are fully replicated on "
+      f"{math.prod(sizes.values())} devices, {human_bytes(total)} per device:",
+      bullets=bullets,
+      fix="Add rules for those names, give the parameters logical axes "
+          "(param_axes=partition.PathRules([...])), or pass strict=True to make this an "
+          "error."), ReplicatedWarning, stacklevel=3)
+
+
+def _raise(api: str, strict: bool, problems: list[str], mesh: AnyMesh, fix: str) -> None:
+  head = f"{api}(strict=True)" if strict else api
+  raise PlacementError(format_message(
+      f"{head}: {len(problems)} problem(s) in the placement of the parameters:",
+      context=[f"mesh: {describe(mesh)}"], bullets=problems, fix=fix))
