@@ -4,11 +4,16 @@ The algorithm is flax linen's ``logical_to_mesh_axes``: rules are tried in prior
 rule ``(name, mesh_axes)`` is applied to each dim called ``name`` that is still unassigned,
 provided none of ``mesh_axes`` is already used by another dim of the same array. A rule
 whose value is ``None`` claims the dim as replicated (later fallbacks for that name are not
-tried); names that no rule assigns replicate. When a mesh is known, mesh axes of size 1 and
-(outside ``strict`` mode) axes the mesh lacks are dropped from a candidate, and a candidate
-left with no axes is skipped; when the dim size is known too, a candidate whose total size
-does not divide the dim is skipped and the next rule is tried. Every decision is recorded
-as an :class:`Attempt` so that a resolution can explain itself.
+tried); names that no rule assigns replicate.
+
+When a mesh is known, placement stays flax's: the "already used" check sees a rule's full
+mesh axes, size-1 axes included, and a rule whose axes all have size 1 still fires (the dim
+is replicated, as flax's spec is once size-1 axes are dropped). Size-1 axes are dropped only
+from the final spec. Two differences remain, both documented in ``docs/rules.md``: axes the
+mesh lacks are dropped from a candidate and a candidate naming *only* such axes is skipped
+(one preset serves several meshes; ``strict`` reports them), and, when the dim size is known,
+a candidate whose total size does not divide the dim is skipped and the next rule is tried.
+Every decision is recorded as an :class:`Attempt` so that a resolution can explain itself.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from partition._resources import SerialLoop
 FIRED = "fired"
 USED = "mesh axis already used"
 INDIVISIBLE = "not divisible"
-SIZE_ONE = "size 1"
 NOT_IN_MESH = "not in mesh"
 
 
@@ -146,15 +150,16 @@ def resolve(
     for dim in dims:
       if dim.done or dim.logical != name:
         continue
-      outcome, detail, kept, missing = _try(value, dim, used, mesh_sizes, loops,
-                                            named_loops or {})
+      outcome, detail, kept, missing, claimed = _try(value, dim, used, mesh_sizes, loops,
+                                                     named_loops or {})
       dim.attempts.append(Attempt(r, value, outcome, detail))
       if missing and strict:
         problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
                      f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in missing]
       if outcome == FIRED:
         dim.resources, dim.done = kept, True
-        used.update({a: dim.index for a in kept or () if isinstance(a, str)})
+        # Every axis the rule names counts as used (size 1 and absent ones too), as in flax.
+        used.update({a: dim.index for a in claimed})
   if strict:
     problems += _strict_problems(pairs, dims, mesh_sizes)
   if problems:
@@ -169,9 +174,13 @@ def resolve(
 
 
 def _try(value, dim, used, mesh_sizes, loops, named_loops):
-  """Returns ``(outcome, detail, resources, missing mesh axes)`` for ``value`` on ``dim``."""
+  """``(outcome, detail, resources, missing mesh axes, claimed mesh axes)`` of ``value``.
+
+  ``resources`` are what the spec gets (size-1 axes dropped); ``claimed`` are all mesh axes
+  the rule names, which flax marks as used when the rule fires.
+  """
   if value is None:
-    return FIRED, "", None, []
+    return FIRED, "", None, [], []
   axes, loop_list, dropped, missing = [], [], [], []
   for res in value:
     if isinstance(res, SerialLoop):
@@ -183,21 +192,23 @@ def _try(value, dim, used, mesh_sizes, loops, named_loops):
       (dropped if mesh_sizes is not None and mesh_sizes[res] == 1 else axes).append(res)
     else:
       missing.append(res)
-  if not axes and not loop_list and not (dropped or missing):
-    return FIRED, "", None, []  # a loop-only rule on an array dim: replicated
+  claimed = axes + dropped + missing
+  if not claimed and not loop_list:
+    return FIRED, "", None, [], []  # a loop-only rule on an array dim: replicated
   notes = [f"{a!r} has size 1, dropped" for a in dropped]
   notes += [f"{a!r} is not a mesh axis{did_you_mean(a, list(mesh_sizes or ()))}, dropped"
             for a in missing]
-  if not axes and not loop_list:
-    return (NOT_IN_MESH if missing else SIZE_ONE), "; ".join(notes), None, missing
-  clash = [a for a in axes if a in used]
+  if not axes and not loop_list and not dropped:
+    return NOT_IN_MESH, "; ".join(notes), None, missing, []
+  clash = [a for a in claimed if a in used]
   if clash:
-    return USED, f"{clash[0]!r} is used by dim {used[clash[0]]}", None, missing
+    return USED, f"{clash[0]!r} is used by dim {used[clash[0]]}", None, missing, []
   factor = math.prod(mesh_sizes[a] for a in axes) if mesh_sizes is not None else 1
   factor *= math.prod(named_loops[x] if isinstance(x, str) else x.length for x in loop_list)
   if dim.size is not None and dim.size % factor:
-    return INDIVISIBLE, f"size {dim.size}, needs a multiple of {factor}", None, missing
-  return FIRED, "; ".join(notes), tuple(axes) + tuple(loop_list), missing
+    return (INDIVISIBLE, f"size {dim.size}, needs a multiple of {factor}", None, missing,
+            [])
+  return FIRED, "; ".join(notes), tuple(axes) + tuple(loop_list), missing, claimed
 
 
 def _strict_problems(pairs, dims, mesh_sizes) -> list[str]:
