@@ -21,15 +21,19 @@ from __future__ import annotations
 
 import difflib
 import json
+import json.decoder
+import json.scanner
 import os
 import re
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
+from partition import _io
 from partition._errors import PartitionError, format_message
-from partition._resources import SerialLoop
+from partition._resources import MAX_LOOP_LENGTH, SerialLoop, loop_length_problem
 
 try:  # Python >= 3.11
   import tomllib
@@ -43,6 +47,13 @@ FORMATS = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 TOP_KEYS = ("rules", "description")
 ENTRY_FIX = ("Write each entry as [logical_name, mesh_axes], e.g. [mlp, tensor], "
              "[batch, [data, fsdp]], [kv, null] or [batch, [data, {serial_loop: 4}]].")
+MAX_FILE_BYTES = _io.MAX_READ_BYTES
+MAX_DEPTH = 64  # rules need 4 levels; peers' configs (MaxText, T5X) fewer than 10
+MAX_NODES = 200_000  # counts aliased YAML nodes once per use: stops "billion laughs"
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
 class RulesError(PartitionError, ValueError):
@@ -57,9 +68,21 @@ class ConfigError(RulesError):
   """A rules file cannot be read: bad syntax, unknown key, wrong type or order."""
 
 
+class ConfigTypeError(ConfigError, RulesTypeError):
+  """A rules-file argument has the wrong type (a path that is not a path, a bad key)."""
+
+
+def short(x: Any) -> str:
+  """A bounded ``repr`` for messages (junk can be huge, deep or self-referential)."""
+  return _REPR.repr(x)
+
+
 def did_you_mean(word: str, options: Sequence[str]) -> str:
   close = difflib.get_close_matches(word, list(options), n=1)
   return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# -- one entry ------------------------------------------------------------------------------
 
 
 def _loop(item: Mapping, problems: list[str]) -> SerialLoop | None:
@@ -67,13 +90,13 @@ def _loop(item: Mapping, problems: list[str]) -> SerialLoop | None:
   if keys != ["serial_loop"]:
     bad = [k for k in keys if k != "serial_loop"]
     hint = did_you_mean(str(bad[0]), ["serial_loop"]) if bad else ""
-    problems.append(f"a loop is written {{serial_loop: N}}, got keys {keys}{hint}")
+    problems.append(f"a loop is written {{serial_loop: N}}, got keys {short(keys)}{hint}")
     return None
-  n = item["serial_loop"]
-  if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-    problems.append(f"serial_loop takes a positive int, got {n!r}")
+  problem = loop_length_problem(item["serial_loop"])
+  if problem:
+    problems.append(f"serial_loop: {problem}")
     return None
-  return SerialLoop(n)
+  return SerialLoop(item["serial_loop"])
 
 
 def parse_value(value: Any) -> tuple[Value, list[str]]:
@@ -90,11 +113,11 @@ def parse_value(value: Any) -> tuple[Value, list[str]]:
       loop = _loop(item, problems)
       if loop is not None:
         out.append(loop)
-    elif isinstance(item, str) and item:
+    elif isinstance(item, str) and item.strip():
       out.append(item)
     else:
-      problems.append(f"mesh axes are names (str), null or {{serial_loop: N}}; "
-                      f"got {type(item).__name__} {item!r}")
+      problems.append(f"mesh axes are names (non-empty str), null or {{serial_loop: N}}; "
+                      f"got {type(item).__name__} {short(item)}")
   loops = [i for i, r in enumerate(out) if isinstance(r, SerialLoop)]
   if loops and loops[0] != len(out) - 1:
     problems.append("a serial loop must come last, after the mesh axes "
@@ -106,23 +129,26 @@ def parse_value(value: Any) -> tuple[Value, list[str]]:
   return (tuple(out) or None), problems
 
 
-def parse_entries(raw: Any) -> tuple[list[tuple[str, Value]], list[str]]:
-  """Validates the value of ``rules``; returns ``(pairs, problems)``."""
+def parse_entries(raw: Any, label: str = "rules") -> tuple[list[tuple[str, Value]], list[str]]:
+  """Validates a rules list (or mapping); returns ``(pairs, problems)``.
+
+  ``label`` names the list in messages (``rules[3]``, ``logical_axis_rules[3]``).
+  """
   if isinstance(raw, Mapping):
     raw = list(raw.items())
   elif isinstance(raw, (str, bytes)) or not isinstance(raw, Sequence):
-    return [], [f"'rules' must be a list of [logical_name, mesh_axes] pairs, "
-                f"got {type(raw).__name__}"]
+    return [], [f"{label!r} must be a list of [logical_name, mesh_axes] pairs, "
+                f"got {type(raw).__name__} {short(raw)}"]
   pairs: list[tuple[str, Value]] = []
   problems: list[str] = []
   for i, entry in enumerate(raw):
-    where = f"rules[{i}] {entry!r}"
+    where = f"{label}[{i}] {short(entry)}"
     if isinstance(entry, (str, bytes)) or not isinstance(entry, Sequence) or len(entry) != 2:
       problems.append(f"{where}: expected a pair [logical_name, mesh_axes]")
       continue
     name, value = entry
-    if not isinstance(name, str) or not name:
-      problems.append(f"{where}: the logical name must be a non-empty str, got {name!r}")
+    if not isinstance(name, str) or not name.strip():
+      problems.append(f"{where}: the logical name must be a non-empty str, got {short(name)}")
       continue
     canon, bad = parse_value(value)
     problems += [f"{where}: {b}" for b in bad]
@@ -131,71 +157,290 @@ def parse_entries(raw: Any) -> tuple[list[tuple[str, Value]], list[str]]:
   return pairs, problems
 
 
+# -- a whole document -----------------------------------------------------------------------
+
+
+def _looks_like_rules(value: Any) -> bool:
+  """A non-empty list of ``[str, anything]`` pairs: how peers' configs spell a rule table."""
+  return (isinstance(value, list) and bool(value) and all(
+      isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str) for e in value))
+
+
+def rules_keys(doc: Any, prefix: str = "", depth: int = 3) -> list[str]:
+  """Dotted keys of ``doc`` (down to ``depth`` levels) whose value looks like a rules list."""
+  if not isinstance(doc, Mapping) or depth == 0:
+    return []
+  found = []
+  for k, v in doc.items():
+    if not isinstance(k, str):
+      continue
+    if _looks_like_rules(v):
+      found.append(prefix + k)
+    found += rules_keys(v, f"{prefix}{k}.", depth - 1)
+  # Prefer keys that say "rules" (MaxText also has data_sharding: [[...]] lists).
+  return sorted(found, key=lambda k: ("rule" not in k.lower(), len(k)))
+
+
+def _unknown_key_problems(doc: Mapping, unknown: list) -> list[str]:
+  candidates = [k for k in rules_keys(doc) if k != "rules"]
+  near_miss = any(did_you_mean(str(k), TOP_KEYS) for k in unknown)  # 'rulez': a typo
+  if "rules" not in doc and candidates and not (near_miss and len(unknown) <= 3):
+    return [f"there is no top-level 'rules' key, but {candidates[0]!r} holds a rules list "
+            f"(the other {len(doc) - 1} top-level key(s) are not rules): did you mean "
+            f"key={candidates[0]!r}? e.g. AxisRules.from_file(path, key={candidates[0]!r})"]
+  if len(unknown) > 3:
+    shown = ", ".join(short(k) for k in unknown[:3])
+    return [f"{len(unknown)} unknown keys ({shown}, ...): a rules file holds only "
+            f"{' and '.join(map(repr, TOP_KEYS))}. For rules inside a larger config pass "
+            "key='<dotted.key.of.the.rules.list>'"]
+  return [f"unknown key {short(k)}{did_you_mean(str(k), TOP_KEYS)}; allowed keys: "
+          f"{', '.join(TOP_KEYS)}" for k in unknown]
+
+
 def parse_document(doc: Any) -> tuple[list[tuple[str, Value]], list[str]]:
   """Validates a whole document ``{'rules': [...], 'description': str}``."""
   if not isinstance(doc, Mapping):
-    return [], [f"the top level must be a mapping with key 'rules', got {type(doc).__name__}"]
-  problems = [f"unknown key {k!r}{did_you_mean(str(k), TOP_KEYS)}; allowed keys: "
-              f"{', '.join(TOP_KEYS)}" for k in doc if k not in TOP_KEYS]
+    return [], [f"the top level must be a mapping with key 'rules', got "
+                f"{type(doc).__name__} {short(doc)}"]
+  unknown = [k for k in doc if k not in TOP_KEYS]
+  problems = _unknown_key_problems(doc, unknown) if unknown else []
   if "description" in doc and not isinstance(doc["description"], str):
-    problems.append("'description' must be a str")
+    problems.append(f"'description' must be a str, got {short(doc['description'])}")
   if "rules" not in doc:
-    return [], problems + ["missing key 'rules'"]
+    hinted = any("did you mean key=" in p for p in problems)
+    return [], problems + ([] if hinted else ["missing key 'rules'"])
   pairs, more = parse_entries(doc["rules"])
   return pairs, problems + more
 
 
-def _format_of(path: str, fmt: str | None) -> str:
+def key_parts(key: Any, error: type[Exception] = ConfigTypeError) -> tuple[str, ...]:
+  """``key=`` as parts: ``'a.b'`` -> ``('a', 'b')``; a list/tuple of str is taken as is."""
+  if isinstance(key, str) and key.strip():
+    return tuple(key.split("."))
+  if isinstance(key, (list, tuple)) and key and all(isinstance(k, str) and k for k in key):
+    return tuple(key)
+  raise error(f"key= must be a non-empty str (dotted for nesting, e.g. "
+              f"'model.logical_axis_rules') or a list of str, got {type(key).__name__} "
+              f"{short(key)}.")
+
+
+def select(doc: Any, key: Any, source: str) -> tuple[Any, str]:
+  """The value under ``key`` (dotted or a list of parts) in ``doc``, and its label.
+
+  A dotted key is looked up whole first, so a key that itself contains a dot still works.
+  """
+  parts = key_parts(key)
+  node, path = doc, []
+  i = 0
+  while i < len(parts):
+    if not isinstance(node, Mapping):
+      where = ".".join(path) or "the top level"
+      raise ConfigError(format_message(
+          f"{source}: cannot look up key={'.'.join(parts)!r}: {where!r} is a "
+          f"{type(node).__name__}, not a mapping.",
+          fix="Give the dotted path of the rules list, e.g. key='logical_axis_rules'."))
+    for j in range(len(parts), i, -1):  # longest match first: keys may contain dots
+      if ".".join(parts[i:j]) in node:
+        path.append(".".join(parts[i:j]))
+        node, i = node[path[-1]], j
+        break
+    else:
+      raise ConfigError(_missing_key_message(node, parts, i, path, source, doc))
+  return node, ".".join(path)
+
+
+def _missing_key_message(node: Mapping, parts, i, path, source, doc) -> str:
+  names = [str(k) for k in node]
+  candidates = rules_keys(doc)
+  hint = f" Rules lists found under: {', '.join(map(repr, candidates[:3]))}." if (
+      candidates) else ""
+  return format_message(
+      f"{source}: no key {parts[i]!r} in {'.'.join(path) or 'the top level'!r}"
+      f"{did_you_mean(parts[i], names)}.",
+      context=[f"keys there: {', '.join(map(repr, names[:8]))}"
+               + (f", ... ({len(names)} in all)" if len(names) > 8 else "")],
+      fix=f"Pass the dotted path of the rules list as key=.{hint}")
+
+
+def parse_selected(value: Any, label: str) -> tuple[list[tuple[str, Value]], list[str]]:
+  """Rules found under ``key=``: a list of pairs, a ``{name: axes}`` table, or a document."""
+  if isinstance(value, Mapping) and "rules" in value and set(value) <= set(TOP_KEYS):
+    return parse_document(value)
+  return parse_entries(value, label)
+
+
+# -- reading files ----------------------------------------------------------------------------
+
+
+def format_of(path: str, fmt: Any, error: type[Exception] = ConfigError) -> str:
+  """The format named by ``fmt`` or, if ``None``, by the extension of ``path``."""
   if fmt is not None:
     if fmt not in FORMATS.values():
-      raise ConfigError(f"Unknown rules format {fmt!r}; use one of 'yaml', 'toml', 'json'.")
+      raise error(f"Unknown rules format {short(fmt)} for {path!r}; use one of 'yaml', "
+                  "'toml', 'json'.")
     return fmt
   ext = os.path.splitext(path)[1].lower()
   if ext not in FORMATS:
-    raise ConfigError(format_message(
+    raise error(format_message(
         f"Cannot tell the format of rules file {path!r} from its extension {ext!r}.",
         fix=f"Name it with one of {', '.join(FORMATS)} or pass format='yaml'|'toml'|'json'."))
   return FORMATS[ext]
 
 
-def _syntax_error(path: str, fmt: str, err: Exception) -> ConfigError:
-  detail = str(err).strip().replace("\n", " ")
+def _syntax_error(path: str, fmt: str, err: BaseException) -> ConfigError:
+  detail = short(str(err).strip().replace("\n", " "))[1:-1]
   mark = getattr(err, "problem_mark", None)
   if mark is not None:
     detail = f"line {mark.line + 1}, column {mark.column + 1}: {getattr(err, 'problem', '')}"
   elif isinstance(err, json.JSONDecodeError):
     detail = f"line {err.lineno}, column {err.colno}: {err.msg}"
+  elif isinstance(err, RecursionError):
+    detail = f"nested more deeply than Python can parse (the limit here is {MAX_DEPTH})"
   return ConfigError(format_message(
       f"Rules file {path!r} is not valid {fmt.upper()}.", bullets=[detail],
       fix=f"Fix the {fmt.upper()} syntax at that position. {ENTRY_FIX}"))
 
 
-def load(path: str | os.PathLike, *, format: str | None = None) -> dict[str, Any]:
-  """Reads and validates a rules file; returns ``{'rules': [(name, value), ...], ...}``."""
-  path = os.fspath(path)
-  fmt = _format_of(path, format)
+class _YamlLoader(yaml.SafeLoader):
+  """PyYAML's safe loader, recording keys given twice in one mapping (PyYAML keeps the last)."""
+
+  def __init__(self, stream):
+    super().__init__(stream)
+    self.duplicates: list[str] = []
+
+  def construct_mapping(self, node, deep=False):
+    if isinstance(node, yaml.MappingNode):
+      seen: dict[Any, int] = {}
+      for key_node, _ in node.value:
+        # Merge keys (<<) legitimately repeat and are overridden; complex keys cannot clash.
+        if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(
+            key_node, yaml.ScalarNode):
+          continue
+        key = self.construct_object(key_node)
+        line = key_node.start_mark.line + 1
+        if key in seen:
+          self.duplicates.append(f"key {short(key)} is given twice (line {seen[key]} and "
+                                 f"line {line}); the second would silently replace the first")
+        else:
+          seen[key] = line
+    return super().construct_mapping(node, deep)
+
+
+def _yaml_load(data: bytes) -> tuple[Any, list[str]]:
+  loader = _YamlLoader(data)
   try:
-    with open(path, "rb") as f:
-      data = f.read()
-  except OSError as e:
-    raise ConfigError(f"Cannot read rules file {path!r}: {e.strerror} "
-                      f"(working directory {os.getcwd()!r}). Check the path.") from None
+    return loader.get_single_data(), loader.duplicates
+  finally:
+    loader.dispose()
+
+
+def _json_load(data: bytes) -> tuple[Any, list[str]]:
+  """``json.loads`` that reports keys given twice in one object, with their line."""
+  text = data.decode(json.detect_encoding(data))
+  duplicates: list[str] = []
+  decoder = json.JSONDecoder()
+
+  def parse_object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+    s, start = s_and_end
+    repeated: list[str] = []
+
+    def pairs_hook(pairs):
+      keys = [k for k, _ in pairs]
+      repeated.extend(k for i, k in enumerate(keys) if k in keys[:i])
+      return dict(pairs)
+
+    obj, end = json.decoder.JSONObject(s_and_end, strict, scan_once, object_hook,
+                                       pairs_hook, memo)
+    for k in repeated:
+      spots = [m.start() for m in re.finditer(re.escape(json.dumps(k)) + r"\s*:", s[start:end])]
+      lines = [s.count("\n", 0, start + p) + 1 for p in spots[:2]]
+      where = f" (lines {lines[0]} and {lines[1]})" if len(lines) == 2 else ""
+      duplicates.append(f"key {short(k)} is given twice in one object{where}; the second "
+                        "would silently replace the first")
+    return obj, end
+
+  # The pure-Python scanner is the one that calls parse_object (the C one does not).
+  decoder.parse_object = parse_object
+  decoder.scan_once = json.scanner.py_make_scanner(decoder)
+  return decoder.decode(text), duplicates
+
+
+def _toml_load(data: bytes) -> tuple[Any, list[str]]:
+  return tomllib.loads(data.decode("utf-8")), []  # TOML itself rejects repeated keys
+
+
+_PARSERS = {"yaml": _yaml_load, "json": _json_load, "toml": _toml_load}
+
+
+def _depth_problem(doc: Any) -> str | None:
+  """Why ``doc`` is too deep or too large to process safely (iterative: no recursion)."""
+  stack, nodes = [(doc, 1)], 0
+  while stack:
+    node, depth = stack.pop()
+    nodes += 1
+    if depth > MAX_DEPTH:
+      return (f"it is nested more than {MAX_DEPTH} levels deep (or refers to itself "
+              "through a YAML alias)")
+    if nodes > MAX_NODES:
+      return f"it has more than {MAX_NODES} values (YAML aliases count once per use)"
+    if isinstance(node, Mapping):
+      stack += [(v, depth + 1) for v in node.values()]
+    elif isinstance(node, (list, tuple, set)):
+      stack += [(v, depth + 1) for v in node]
+  return None
+
+
+def parse_text(data: bytes, fmt: str, source: str) -> Any:
+  """Parses the bytes of a YAML/TOML/JSON file; syntax, depth and duplicate keys checked."""
   try:
-    if fmt == "yaml":
-      doc = yaml.safe_load(data)
-    elif fmt == "toml":
-      doc = tomllib.loads(data.decode())
-    else:
-      doc = json.loads(data)
-  except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError,
-          UnicodeDecodeError) as e:
-    raise _syntax_error(path, fmt, e) from None
-  pairs, problems = parse_document(doc)
+    doc, duplicates = _PARSERS[fmt](data)
+  except (yaml.YAMLError, tomllib.TOMLDecodeError, ValueError, TypeError, OverflowError,
+          RecursionError) as e:
+    # ValueError covers JSONDecodeError, UnicodeDecodeError, YAML's invalid dates and
+    # Python's limit on int digits; RecursionError, deeply nested brackets.
+    raise _syntax_error(source, fmt, e) from None
+  problems = duplicates + [p for p in [_depth_problem(doc)] if p]
   if problems:
     raise ConfigError(format_message(
-        f"Invalid axis rules in {path!r} ({len(problems)} problem(s)):",
-        bullets=problems, fix=ENTRY_FIX))
-  return {**doc, "rules": pairs}
+        f"Rules file {source!r} cannot be used ({len(problems)} problem(s)):",
+        bullets=problems, fix="Give each key once (merge the two values) and keep the "
+                              "nesting to what the schema needs."))
+  return doc
+
+
+def load(path: Any, *, format: str | None = None, key: Any = None) -> dict[str, Any]:
+  """Reads and validates a rules file; returns ``{'rules': [(name, value), ...], ...}``.
+
+  Args:
+    path: a ``str``, ``bytes`` or ``os.PathLike`` file path.
+    format: ``'yaml'``, ``'toml'`` or ``'json'``; default: from the extension.
+    key: where the rules list lives in a larger config: a dotted key
+      (``'logical_axis_rules'``, ``'partitioning.rules'``) or a list of keys. Other keys
+      of the file are then ignored.
+  """
+  text_path = _io.fspath(path, "the rules file path", ConfigTypeError)
+  fmt = format_of(text_path, format)
+  if key is not None:
+    key_parts(key)  # a bad key is a type error before any I/O
+  data = _io.read_bytes(text_path, max_bytes=MAX_FILE_BYTES, what="rules file",
+                        error=ConfigError)
+  doc = parse_text(data, fmt, text_path)
+  if key is None:
+    pairs, problems = parse_document(doc)
+    label = ""
+  else:
+    value, label = select(doc, key, f"Rules file {text_path!r}")
+    pairs, problems = parse_selected(value, label)
+  if problems:
+    raise ConfigError(format_message(
+        f"Invalid axis rules in {text_path!r}" + (f" under key {label!r}" if label else "")
+        + f" ({len(problems)} problem(s)):", bullets=problems, fix=ENTRY_FIX))
+  if key is None:
+    return {**doc, "rules": pairs}
+  return {"rules": pairs}
+
+
+# -- writing files ----------------------------------------------------------------------------
 
 
 def _toml_value(v: Any) -> str:
@@ -225,31 +470,72 @@ def dumps(doc: Mapping[str, Any], fmt: str) -> str:
   return "\n".join(lines) + "\n]\n"
 
 
-def dump(doc: Mapping[str, Any], path: str | os.PathLike, *, format: str | None = None) -> None:
-  path = os.fspath(path)
-  with open(path, "w") as f:
-    f.write(dumps(doc, _format_of(path, format)))
+def dump(doc: Mapping[str, Any], path: Any, *, format: str | None = None) -> None:
+  """Writes ``doc`` atomically: format and destination are checked before any write."""
+  text_path = _io.fspath(path, "the rules file path", ConfigTypeError)
+  fmt = format_of(text_path, format)
+  _io.check_destination(text_path, ConfigError)
+  text = dumps(doc, fmt)
+  # What we write must read back as the same table (names with odd characters included).
+  back, problems = parse_document(parse_text(text.encode(), fmt, text_path))
+  expected, _ = parse_document(doc)
+  if problems or back != expected:
+    raise ConfigError(f"Cannot write {text_path!r} as {fmt.upper()}: the table would not "
+                      "read back unchanged. Use another format (json keeps any name).")
+  _io.atomic_write(text_path, text, error=ConfigError)
 
 
-_LOOP_TOKEN = re.compile(r"^(?:serial_loop|loop)[:=](\d+)$|^SerialLoop\((\d+)\)$")
+# -- command-line overrides -------------------------------------------------------------------
+
+_NAME = re.compile(r"^[\w.\-/]+$")
+_LOOP_TOKEN = re.compile(r"^(?:serial_loop|loop)[:=](.*)$|^SerialLoop\((.*)\)$")
+_NULLS = ("", "null", "none", "~")
+OVERRIDE_FIX = ("Write one override per string as name=mesh_axes, e.g. 'mlp=tensor', "
+                "'batch=data,fsdp', 'kv=null' or 'batch=data,serial_loop:4'; names are "
+                "letters, digits, '_', '-', '.' and '/'.")
 
 
-def parse_override(text: str) -> tuple[str, Value]:
+def _override_token(token: str, problems: list[str]) -> Any:
+  m = _LOOP_TOKEN.match(token)
+  if m:
+    digits = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    if not digits.isdigit() or not digits.isascii():
+      problems.append(f"loop length {digits!r} in {token!r} is not a positive int")
+      return None
+    if not 1 <= int(digits) <= MAX_LOOP_LENGTH:
+      problems.append(f"loop length {digits} in {token!r} is not from 1 to {MAX_LOOP_LENGTH}")
+      return None
+    return {"serial_loop": int(digits)}
+  if token.lower() in _NULLS:
+    problems.append(f"{token!r} in a list of mesh axes: null (replicated) stands alone, "
+                    "as in 'kv=null'" if token else "an empty mesh axis name (two commas "
+                    "in a row, or a trailing comma)")
+    return None
+  if not _NAME.match(token):
+    bad = sorted({c for c in token if not _NAME.match(c)})
+    hint = (" (one override sets one name; pass several overrides as separate strings)"
+            if "=" in token else "")
+    problems.append(f"mesh axis {token!r} contains {''.join(bad)!r}{hint}")
+    return None
+  return token
+
+
+def parse_override(text: str) -> tuple[tuple[str, Value] | None, list[str]]:
   """Parses a CLI override ``name=axes``: ``mlp=tensor``, ``batch=data,fsdp``,
-  ``kv=null`` (or ``kv=``), ``batch=data,serial_loop:4``."""
+  ``kv=null`` (or ``kv=``), ``batch=data,serial_loop:4``. Returns ``(pair, problems)``."""
   name, sep, rhs = text.partition("=")
   name, rhs = name.strip(), rhs.strip()
   if not sep or not name:
-    raise RulesError(f"Rule override {text!r} is not of the form name=mesh_axes. "
-                     "Write e.g. 'mlp=tensor', 'batch=data,fsdp' or 'kv=null'.")
-  if rhs.lower() in ("", "null", "none", "~"):
-    return name, None
-  items: list[Any] = []
-  for token in (t.strip() for t in rhs.split(",")):
-    m = _LOOP_TOKEN.match(token)
-    items.append({"serial_loop": int(m.group(1) or m.group(2))} if m else token)
-  value, problems = parse_value(items)
+    return None, [f"{text!r} is not of the form name=mesh_axes"]
+  problems = []
+  if not _NAME.match(name):
+    problems.append(f"logical name {name!r} in {text!r} is not a name")
+  if rhs.lower() in _NULLS:
+    return (None if problems else (name, None)), problems
+  local: list[str] = []
+  items = [_override_token(t.strip(), local) for t in rhs.split(",")]
+  problems += [f"{text!r}: {p}" for p in local]
   if problems:
-    raise RulesError(format_message(f"Rule override {text!r} is invalid:", bullets=problems,
-                                    fix="Write e.g. 'batch=data,fsdp,serial_loop:4'."))
-  return name, value
+    return None, problems
+  value, more = parse_value(items)
+  return (None, [f"{text!r}: {p}" for p in more]) if more else ((name, value), [])

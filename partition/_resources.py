@@ -11,10 +11,39 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import threading
 from collections.abc import Iterator
 
-from partition._errors import ResourceError
+from partition._errors import ResourceError, format_message
+
+# A loop runs one chunk per iteration inside one program; more than a million sequential
+# micro-batches is a typo (and would trace a scan of that length), not a plan.
+MAX_LOOP_LENGTH = 1 << 20
+
+
+def loop_length_problem(length: object) -> str | None:
+  """Why ``length`` is not a valid loop length (a positive int <= MAX_LOOP_LENGTH), or None."""
+  if isinstance(length, bool) or not _is_int(length):
+    return (f"a loop length is a positive int, got {type(length).__name__} "
+            f"{_short(length)}")
+  if not 1 <= operator.index(length) <= MAX_LOOP_LENGTH:
+    return (f"a loop length must be a positive int, at most {MAX_LOOP_LENGTH}; got "
+            f"{operator.index(length)}")
+  return None
+
+
+def _is_int(x: object) -> bool:
+  try:
+    operator.index(x)  # int and numpy integers; not float, str or bool-like junk
+  except TypeError:
+    return False
+  return True
+
+
+def _short(x: object) -> str:
+  text = repr(x)
+  return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,10 +62,12 @@ class SerialLoop:
   length: int
 
   def __post_init__(self):
-    if isinstance(self.length, bool) or not isinstance(self.length, int) or self.length < 1:
+    if loop_length_problem(self.length):
       raise ResourceError(
-          f"SerialLoop(length) takes a positive int, got {self.length!r}. "
-          "Use e.g. SerialLoop(4) for four sequential micro-batches.")
+          f"SerialLoop(length) takes a positive int, got {_short(self.length)} (at most "
+          f"{MAX_LOOP_LENGTH} iterations). Use e.g. SerialLoop(4) for four sequential "
+          "micro-batches.")
+    object.__setattr__(self, "length", operator.index(self.length))  # numpy int -> int
 
   def __repr__(self) -> str:
     return f"SerialLoop({self.length})"
@@ -66,9 +97,19 @@ def serial_loop(name: str, length: int) -> Iterator[None]:
     >>> y.shape
     (4,)
   """
-  SerialLoop(length)  # validates the length
-  if not isinstance(name, str):
-    raise ResourceError(f"serial_loop(name, length) takes a str name, got {name!r}.")
+  problems = []
+  if not isinstance(name, str) or not name.strip():
+    problems.append(f"name: a loop name is a non-empty str, got {type(name).__name__} "
+                    f"{_short(name)}")
+  length_problem = loop_length_problem(length)
+  if length_problem:
+    problems.append(f"length: {length_problem}")
+  if problems:
+    raise ResourceError(format_message(
+        f"serial_loop(name, length) got {_short(name)}, {_short(length)}:", bullets=problems,
+        fix="Write e.g. `with partition.serial_loop('micro', 4):` and name 'micro' in "
+            "axis_resources or in the rules."))
+  length = operator.index(length)
   old = _loop_env.loops
   _loop_env.loops = {**old, name: length}
   try:

@@ -28,15 +28,16 @@ shape and a mesh the resolver also skips candidates that do not divide the dim; 
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from partition import _config
-from partition._config import Resource, RulesError, RulesTypeError, Value
+from partition._config import Resource, RulesError, RulesTypeError, Value, short
 from partition._errors import MeshError, format_message
 from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
@@ -46,9 +47,19 @@ LogicalAxes = Sequence[str | None] | None
 
 
 def is_axes_leaf(x: Any) -> bool:
-  """True for a leaf of a logical-axes tree: ``None``, ``''`` or a tuple/list of names."""
-  if x is None or x == "" or isinstance(x, PartitionSpec):
+  """True for a leaf of a logical-axes tree: ``None``, ``''`` or a tuple/list of names.
+
+  Named tuples are containers, never axes: optax's ``EmptyState()`` is an empty NamedTuple
+  and must stay a (leafless) node of an optimizer-state tree.
+
+  >>> import optax
+  >>> is_axes_leaf(('batch', None)), is_axes_leaf(()), is_axes_leaf(optax.EmptyState())
+  (True, True, False)
+  """
+  if x is None or (isinstance(x, str) and x == "") or isinstance(x, PartitionSpec):
     return True
+  if isinstance(x, tuple) and hasattr(type(x), "_fields"):
+    return False
   return isinstance(x, (tuple, list)) and all(
       e is None or isinstance(e, str) or e is PartitionSpec.UNCONSTRAINED for e in x)
 
@@ -109,11 +120,11 @@ class AxisRules:
     elif isinstance(pairs, (str, bytes)) or not isinstance(pairs, (Iterable, Mapping)):
       raise RulesTypeError(
           f"AxisRules(pairs) takes a list of (logical_name, mesh_axes) pairs or a mapping, "
-          f"got {type(pairs).__name__}. Write e.g. AxisRules([('batch', 'data')]) or "
-          f"AxisRules.from_file('rules.yaml').")
+          f"got {type(pairs).__name__} {short(pairs)}. Write e.g. "
+          "AxisRules([('batch', 'data')]) or AxisRules.from_file('rules.yaml').")
     else:
       canon, problems = _config.parse_entries(
-          pairs if isinstance(pairs, Mapping) else list(pairs))
+          pairs if isinstance(pairs, Mapping) else list(pairs), "pairs")
       if problems:
         raise RulesTypeError(format_message(
             "AxisRules(pairs) got invalid entries:", bullets=problems,
@@ -125,46 +136,87 @@ class AxisRules:
   # -- construction and serialisation ------------------------------------------------------
 
   @classmethod
-  def from_dict(cls, d: Mapping[str, Any]) -> AxisRules:
-    """Builds rules from a document ``{'rules': [[name, mesh_axes], ...]}`` (see to_dict)."""
-    pairs, problems = _config.parse_document(d)
+  def from_dict(cls, d: Mapping[str, Any], *, key: str | Sequence[str] | None = None
+                ) -> AxisRules:
+    """Builds rules from a document ``{'rules': [[name, mesh_axes], ...]}`` (see to_dict).
+
+    Args:
+      d: the document, or (with ``key``) any config mapping that holds a rules list.
+      key: where the rules list lives in ``d``: a dotted key (``'logical_axis_rules'``,
+        ``'partitioning.rules'``) or a list of keys; other keys are then ignored.
+
+    Example:
+      >>> import partition
+      >>> cfg = {'model': {'logical_axis_rules': [['batch', 'data'], ['kv', []]]}}
+      >>> partition.AxisRules.from_dict(cfg, key='model.logical_axis_rules')
+      AxisRules([('batch', 'data'), ('kv', None)])
+    """
+    if key is None:
+      pairs, problems = _config.parse_document(d)
+    else:
+      _config.key_parts(key, RulesTypeError)
+      value, label = _config.select(d, key, "AxisRules.from_dict")
+      pairs, problems = _config.parse_selected(value, label)
     if problems:
-      raise RulesError(format_message(
+      raise (RulesTypeError if not isinstance(d, Mapping) else RulesError)(format_message(
           "AxisRules.from_dict got an invalid document:", bullets=problems,
           fix=_config.ENTRY_FIX))
     return cls(pairs)
 
   @classmethod
-  def from_file(cls, path: str | os.PathLike, *, format: str | None = None) -> AxisRules:
-    """Reads a YAML (``.yaml``/``.yml``), TOML or JSON rules file; see DESIGN.md §3."""
-    return cls(_config.load(path, format=format)["rules"])
+  def from_file(cls, path: str | os.PathLike, *, format: str | None = None,
+                key: str | Sequence[str] | None = None) -> AxisRules:
+    """Reads a YAML (``.yaml``/``.yml``), TOML or JSON rules file; see docs/rules.md.
+
+    Args:
+      path: the file (``str``, ``bytes`` or ``os.PathLike``), at most 1 MiB.
+      format: ``'yaml'``, ``'toml'`` or ``'json'``; default: from the extension.
+      key: for rules embedded in a larger config: the dotted key of the rules list, e.g.
+        ``key='logical_axis_rules'`` for MaxText's ``base.yml`` (entries ``[name, axes]``,
+        ``[]`` meaning replicated). Other keys of the file are then ignored.
+
+    Raises:
+      ConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
+        twice, nesting deeper than 64 levels, unknown keys, malformed entries.
+    """
+    return cls(_config.load(path, format=format, key=key)["rules"])
 
   def to_dict(self) -> dict[str, Any]:
     """``{'rules': [[name, mesh_axes], ...]}`` with plain str/list/None/dict values."""
     return {"rules": [[n, _value_out(v)] for n, v in self.pairs]}
 
   def to_file(self, path: str | os.PathLike, *, format: str | None = None) -> None:
-    """Writes the table as YAML, TOML or JSON (by extension); ``from_file`` reads it back."""
+    """Writes the table as YAML, TOML or JSON (by extension); ``from_file`` reads it back.
+
+    The write is atomic: the format and the directory are checked first and the text goes
+    to a temporary file that replaces ``path`` only when complete, so a failed call leaves
+    an existing file byte-identical.
+    """
     _config.dump(self.to_dict(), path, format=format)
 
-  def override(self, *overrides: str | tuple[str, Any] | Mapping[str, Any],
+  def override(self, *overrides: str | Sequence[str] | tuple[str, Any] | Mapping[str, Any],
                **entries: Any) -> AxisRules:
     """Returns a copy where each given logical name maps to the given mesh axes only.
 
     An existing name keeps the position of its first entry (its other entries, fallbacks
     included, are removed); a new name is appended (lowest priority). Overrides are
     ``'name=axes'`` strings as on a command line (``'mlp=tensor'``, ``'batch=data,fsdp'``,
-    ``'kv=null'``, ``'batch=data,serial_loop:4'``), ``(name, axes)`` pairs, mappings, or
-    keywords.
+    ``'kv=null'``, ``'batch=data,serial_loop:4'``), lists of such strings (as argparse
+    gives them: ``override(['mlp=fsdp', 'kv=null'])`` is two overrides), ``(name, axes)``
+    pairs, mappings, or keywords. Every bad override of the call is reported in one
+    :class:`RulesError`, naming the token.
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', 'data'), ('mlp', 'tensor')])
+      >>> rules.override(['mlp=fsdp', 'kv=null'], 'batch=data,serial_loop:2')
+      AxisRules([('batch', ('data', SerialLoop(2))), ('mlp', 'fsdp'), ('kv', None)])
     """
-    new: dict[str, Value] = {}
-    for item in [*overrides, entries]:
-      if isinstance(item, str):
-        name, value = _config.parse_override(item)
-        new[name] = value
-      else:
-        items = item.items() if isinstance(item, Mapping) else [item]
-        new.update(dict(AxisRules(items).pairs))
+    new, problems, type_error = _collect_overrides(overrides, entries)
+    if problems:
+      raise (RulesTypeError if type_error else RulesError)(format_message(
+          f"AxisRules.override got {len(problems)} invalid override(s):", bullets=problems,
+          fix=_config.OVERRIDE_FIX))
     pairs, placed = [], set()
     for name, value in self.pairs:
       if name in new:
@@ -199,27 +251,40 @@ class AxisRules:
 
   def resolve(self, logical_axes: LogicalAxes, shape: Sequence[int] | None = None,
               mesh: AnyMesh | None = None, *, strict: bool = False) -> Resolution:
-    """Resolves one array's logical axes; the result explains every dim (``str()``)."""
-    names = _check_axes(logical_axes, shape)
+    """Resolves one array's logical axes; the result explains every dim (``str()``).
+
+    Raises:
+      RulesTypeError: ``logical_axes`` is not a tuple of names, ``shape`` not a tuple of
+        non-negative ints of the same length (all problems in one message).
+      MeshError: ``mesh`` is not a ``jax.sharding.Mesh``/``AbstractMesh``.
+    """
+    api = "AxisRules.resolve"
+    _check_mesh(mesh, api)
+    _check_flag(strict, "strict", api)
+    names, dims = _check_axes(logical_axes, shape, api)
     mesh_sizes = None if mesh is None else dict(axis_sizes(mesh))
-    return resolve(self.pairs, names, None if shape is None else tuple(shape), mesh_sizes,
-                   strict=strict)
+    return resolve(self.pairs, names, dims, mesh_sizes, strict=strict)
 
   def spec(self, logical_axes: LogicalAxes, shape: Sequence[int] | None = None,
            mesh: AnyMesh | None = None, strict: bool = False) -> PartitionSpec:
     """The ``PartitionSpec`` of an array with these logical axes (``None`` -> ``P()``).
 
     Uses only the ``mesh`` passed (not the context), so that without shape and mesh the
-    result equals ``flax.linen.logical_to_mesh_axes(logical_axes, rules)``.
+    result equals ``flax.linen.logical_to_mesh_axes(logical_axes, rules)``. A
+    ``PartitionSpec`` passes through after a check (no mesh axis twice, every axis in
+    ``mesh``, no more entries than ``shape`` has dims).
 
     Raises:
       ResolutionError: with ``strict=True``, for a name without a rule, a mesh axis the
         mesh lacks, or a dim no candidate divides.
+      RulesTypeError: malformed ``logical_axes`` or ``shape`` (see :meth:`resolve`).
     """
-    if logical_axes is None or logical_axes == "":
+    if logical_axes is None or (isinstance(logical_axes, str) and logical_axes == ""):
+      _check_mesh(mesh, "AxisRules.spec")
       return PartitionSpec()
     if isinstance(logical_axes, PartitionSpec):
-      return logical_axes
+      _check_mesh(mesh, "AxisRules.spec")
+      return check_partition_spec(logical_axes, shape, mesh, "AxisRules.spec")
     return self.resolve(logical_axes, shape, mesh, strict=strict).spec
 
   def sharding(self, logical_axes: LogicalAxes, mesh: AnyMesh | None,
@@ -235,6 +300,8 @@ class AxisRules:
     ``shapes`` is a matching pytree of arrays / ``ShapeDtypeStruct``s, or ``None``. All
     failing leaves are reported together, by keypath.
     """
+    _check_mesh(mesh, "AxisRules.tree_specs")
+    _check_flag(strict, "strict", "AxisRules.tree_specs")
     return map_axes_tree(
         lambda _, axes, leaf: self.spec(axes, None if leaf is None else leaf.shape, mesh,
                                         strict), axes_tree, shapes, "AxisRules.tree_specs")
@@ -255,41 +322,240 @@ class AxisRules:
     Loops (``SerialLoop`` and names bound by ``serial_loop``) are kept after the mesh
     axes and count in the divisibility check; names without a rule get ``()``.
 
+    Args:
+      names: a list/tuple of axis names (a single str is an error, never split into
+        letters).
+      mesh: the mesh, for the size-1 / missing-axis / divisibility checks.
+      sizes: ``{name: size}`` of the axes whose size is known (positive ints).
+      strict: raise on names without a rule, unknown mesh axes and indivisible sizes.
+
     Example:
       >>> import partition
       >>> rules = partition.AxisRules([('batch', ('data', partition.SerialLoop(4)))])
       >>> rules.xmap_resources(['batch', 'heads'])
       {'batch': ('data', SerialLoop(4)), 'heads': ()}
     """
-    names = list(names)
-    size_list = None if sizes is None else [sizes.get(n) for n in names]
+    api = "AxisRules.xmap_resources"
+    _check_mesh(mesh, api)
+    _check_flag(strict, "strict", api)
+    names, size_list = _check_xmap_names(names, sizes, api)
     res = resolve(self.pairs, names, size_list, None if mesh is None else dict(
         axis_sizes(mesh)), strict=strict, loops=True, named_loops=named_loops())
     return {d.logical: tuple(d.resources or ()) for d in res.dims}
 
 
-def _check_axes(logical_axes: LogicalAxes, shape: Sequence[int] | None) -> tuple:
-  if not is_axes_leaf(logical_axes) or logical_axes is None or isinstance(
-      logical_axes, (str, PartitionSpec)):
-    raise RulesTypeError(
-        f"Logical axes must be a tuple of names (str or None), got {logical_axes!r}. "
-        "Write e.g. ('batch', 'embed') or (None, 'mlp').")
-  names = tuple(logical_axes)
-  if shape is not None and len(tuple(shape)) != len(names):
+# -- argument checks ----------------------------------------------------------------------------
+
+
+def _collect_overrides(overrides: tuple, entries: Mapping[str, Any]
+                       ) -> tuple[dict[str, Value], list[str], bool]:
+  """``({name: value}, problems, any type error)`` of all overrides of one call."""
+  new: dict[str, Value] = {}
+  problems: list[str] = []
+  type_error = False
+
+  def add(pairs):
+    new.update(dict(pairs))
+
+  for i, item in enumerate(overrides):
+    if isinstance(item, str):
+      pair, bad = _config.parse_override(item)
+      problems += bad
+      add([pair] if pair else [])
+    elif isinstance(item, (list, tuple)) and item and all(
+        isinstance(t, str) and "=" in t for t in item):
+      for text in item:  # a list of CLI strings, as argparse's nargs/append give them
+        pair, bad = _config.parse_override(text)
+        problems += bad
+        add([pair] if pair else [])
+    elif isinstance(item, Mapping) or (
+        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
+      pairs = list(item.items()) if isinstance(item, Mapping) else [tuple(item)]
+      eq = [n for n, _ in pairs if isinstance(n, str) and "=" in n]
+      problems += [f"override #{i}: logical name {n!r} contains '=': pass 'name=axes' "
+                   "strings on their own (or a list of them), not inside a pair" for n in eq]
+      good, bad = _config.parse_entries([p for p in pairs if p[0] not in eq],
+                                        f"override #{i}")
+      problems += bad
+      add(good)
+    else:
+      type_error = True
+      problems.append(f"override #{i} {short(item)}: expected a 'name=axes' str, a list of "
+                      f"them, a (name, axes) pair or a mapping, got {type(item).__name__}")
+  good, bad = _config.parse_entries(list(entries.items()), "keyword")
+  problems += bad
+  add(good)
+  return new, problems, type_error
+
+
+def _check_flag(value: Any, arg: str, api: str) -> None:
+  if not isinstance(value, bool):
+    raise RulesTypeError(f"{api}({arg}=...) takes True or False, got "
+                         f"{type(value).__name__} {short(value)}.")
+
+
+def _check_mesh(mesh: Any, api: str) -> None:
+  if mesh is not None and not isinstance(mesh, (Mesh, AbstractMesh)):
+    raise MeshError(f"{api}(mesh=...) takes a jax.sharding.Mesh or AbstractMesh, got "
+                    f"{type(mesh).__name__} {short(mesh)}. Build one with "
+                    "jax.make_mesh(shape, names), or leave mesh=None.")
+
+
+def _shape_problems(shape: Any) -> tuple[tuple[int, ...] | None, list[str]]:
+  """``shape`` as a tuple of ints, and what is wrong with it."""
+  if shape is None:
+    return None, []
+  if isinstance(shape, (str, bytes, Mapping)) or not isinstance(shape, Iterable):
+    return None, [f"shape must be a tuple of ints, got {type(shape).__name__} {short(shape)}"]
+  dims, problems = [], []
+  for i, d in enumerate(tuple(shape)):
+    try:
+      n = None if isinstance(d, bool) else operator.index(d)
+    except TypeError:
+      n = None
+    if n is None or n < 0:
+      problems.append(f"shape[{i}] is {type(d).__name__} {short(d)}; a dim size is an int "
+                      ">= 0")
+    dims.append(n)
+  return (None if problems else tuple(dims)), problems
+
+
+def _check_axes(logical_axes: LogicalAxes, shape: Any, api: str = "AxisRules.resolve"
+                ) -> tuple[tuple, tuple[int, ...] | None]:
+  """Validated ``(names, shape)``; every problem of the call in one message."""
+  problems = []
+  if isinstance(logical_axes, str):
+    problems.append(f"logical_axes must be a tuple of names, got the str "
+                    f"{short(logical_axes)}; write ({logical_axes!r},) for one dim (a str is "
+                    "never split into letters)")
+  elif not is_axes_leaf(logical_axes) or logical_axes is None or isinstance(
+      logical_axes, PartitionSpec):
+    problems.append(f"logical_axes must be a tuple of names (str or None), got "
+                    f"{short(logical_axes)}; write e.g. ('batch', 'embed') or (None, 'mlp')")
+  dims, shape_problems = _shape_problems(shape)
+  problems += shape_problems
+  if not problems and dims is not None and len(dims) != len(logical_axes):
     raise RulesError(
-        f"Logical axes {names} name {len(names)} dims but the shape {tuple(shape)} has "
-        f"{len(tuple(shape))}. Give one name (or None) per dim.")
-  return names
+        f"Logical axes {tuple(logical_axes)} name {len(logical_axes)} dims but the shape "
+        f"{dims} has {len(dims)}. Give one name (or None) per dim.")
+  if problems:
+    raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=problems))
+  return tuple(logical_axes), dims
+
+
+def check_partition_spec(spec: PartitionSpec, shape: Any, mesh: AnyMesh | None,
+                         api: str) -> PartitionSpec:
+  """Checks a ``PartitionSpec`` given where logical axes go; returns it unchanged."""
+  problems, seen = [], {}
+  sizes = None if mesh is None else axis_sizes(mesh)
+  for i, entry in enumerate(spec):
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+      continue
+    axes = (entry,) if isinstance(entry, str) else entry
+    if not isinstance(axes, tuple) or not all(isinstance(a, str) for a in axes):
+      problems.append(f"entry {i} {short(entry)} is not a mesh axis name or tuple of names")
+      continue
+    for a in axes:
+      if a in seen:
+        problems.append(f"mesh axis {a!r} is used by entries {seen[a]} and {i}; a mesh "
+                        "axis shards at most one dim")
+      seen.setdefault(a, i)
+      if sizes is not None and a not in sizes:
+        problems.append(f"entry {i}: {a!r} is not a mesh axis"
+                        f"{_config.did_you_mean(a, list(sizes))}; the mesh has "
+                        f"{tuple(sizes)}")
+  dims, shape_problems = _shape_problems(shape)
+  problems += shape_problems
+  if dims is not None and len(spec) > len(dims):
+    problems.append(f"{spec} has {len(spec)} entries but the shape {dims} only {len(dims)}")
+  if problems:
+    raise RulesError(format_message(f"{api}: the PartitionSpec {spec} cannot be used:",
+                                    bullets=problems,
+                                    fix="Name each mesh axis at most once, only axes of the "
+                                        "mesh, one entry per dim at most."))
+  return spec
+
+
+def _check_xmap_names(names: Any, sizes: Any, api: str
+                      ) -> tuple[list[str], list[int | None] | None]:
+  problems = []
+  if isinstance(names, str):
+    raise RulesTypeError(f"{api}(names) got the str {short(names)}; pass a list of axis "
+                         f"names, e.g. [{names!r}] (a str is never split into letters).")
+  if isinstance(names, (bytes, Mapping)) or not isinstance(names, Iterable):
+    raise RulesTypeError(f"{api}(names) takes a list of axis names, got "
+                         f"{type(names).__name__} {short(names)}.")
+  names = list(names)
+  for i, n in enumerate(names):
+    if not isinstance(n, str) or not n:
+      problems.append(f"names[{i}] is {short(n)}; an axis name is a non-empty str")
+    elif names.index(n) != i:
+      problems.append(f"names[{i}] {n!r} repeats names[{names.index(n)}]")
+  size_list = None
+  if sizes is not None and not isinstance(sizes, Mapping):
+    problems.append(f"sizes must be a mapping {{name: size}}, got {type(sizes).__name__} "
+                    f"{short(sizes)}")
+  elif sizes is not None:
+    for k, v in sizes.items():
+      if not isinstance(k, str):
+        problems.append(f"sizes key {short(k)} is not an axis name (str)")
+      elif _positive_int(v) is None:
+        problems.append(f"sizes[{k!r}] is {short(v)}; a size is a positive int")
+    size_list = [None if sizes.get(n) is None else _positive_int(sizes[n]) for n in names]
+  if problems:
+    raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=problems,
+                                        fix="Pass names=['batch', ...] and sizes={'batch': 8}."))
+  return names, size_list
+
+
+def _positive_int(v: Any) -> int | None:
+  if isinstance(v, bool):
+    return None
+  try:
+    n = operator.index(v)
+  except TypeError:
+    return None
+  return n if n >= 1 else None
 
 
 def _need_mesh(mesh: AnyMesh | None, api: str) -> AnyMesh:
   from partition._context import current_rules_mesh  # the context module imports this one
 
+  _check_mesh(mesh, api)
   found = current_rules_mesh(mesh)
   if found is None:
     raise MeshError(f"{api} needs a mesh: pass mesh=jax.make_mesh(...), or call it inside "
                     "`with jax.set_mesh(mesh):` or `with partition.axis_rules(rules, mesh):`.")
   return found
+
+
+def _unsortable_dict(tree: Any) -> str | None:
+  """Keypath of the first dict whose keys jax.tree_util cannot sort (mixed types)."""
+  stack = [("", tree)]
+  while stack:
+    path, node = stack.pop()
+    if isinstance(node, dict):
+      try:
+        sorted(node)
+      except TypeError:
+        return f"{path or '<root>'} has keys {short(list(node))}"
+      stack += [(f"{path}[{k!r}]", v) for k, v in node.items()]
+    elif isinstance(node, (list, tuple)):
+      stack += [(f"{path}[{i}]", v) for i, v in enumerate(node)]
+  return None
+
+
+def _mismatch(axes_tree: Any, shapes: Any) -> list[str]:
+  """The keypaths that differ between the logical-axes tree and the shapes tree."""
+  keystr = jax.tree_util.keystr
+  axes_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      axes_tree, is_leaf=is_axes_leaf)[0]]
+  shape_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
+  only_axes = [a for a in axes_paths if not any(s.startswith(a) for s in shape_paths)]
+  only_shapes = [s for s in shape_paths if not any(s.startswith(a) for a in axes_paths)]
+  out = [f"{p or '<root>'}: in the logical axes, not in the shapes" for p in only_axes[:8]]
+  out += [f"{p or '<root>'}: in the shapes, not in the logical axes" for p in only_shapes[:8]]
+  return out
 
 
 def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
@@ -301,7 +567,7 @@ def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
     where = jax.tree_util.keystr(path) or "<root>"
     if leaf is not None and not hasattr(leaf, "shape"):
       problems.append(f"{where}: expected an array or ShapeDtypeStruct, got "
-                      f"{type(leaf).__name__}")
+                      f"{type(leaf).__name__} {short(leaf)}")
       return PartitionSpec()
     try:
       return fn(path, axes, leaf)
@@ -310,6 +576,11 @@ def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
       problems.append(f"{where}: " + str(e).strip().replace("\n", "\n    "))
       return PartitionSpec()
 
+  bad_keys = _unsortable_dict(axes_tree) or _unsortable_dict(shapes)
+  if bad_keys:
+    raise RulesTypeError(format_message(
+        f"{api}: a dict mixes key types, which jax.tree_util cannot order:",
+        bullets=[bad_keys], fix="Use keys of one type (str) in each dict."))
   try:
     if shapes is None:
       out = jax.tree_util.tree_map_with_path(one, axes_tree, is_leaf=is_axes_leaf)
@@ -320,7 +591,7 @@ def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
       raise
     raise RulesError(format_message(
         f"{api}: the logical-axes tree and the shapes tree do not match.",
-        bullets=[str(e).splitlines()[0]],
+        bullets=_mismatch(axes_tree, shapes) or [str(e).splitlines()[0]],
         fix="Give one logical-axes tuple (or None) per array, in the same structure.")) from None
   if problems:
     cls = kinds.pop() if len(kinds) == 1 else RulesError

@@ -71,7 +71,7 @@ microbatch = { serial_loop = 4 }
      r"rules\[0\].*serial loop must come last"),
     ("loop.yaml", "rules:\n  - [batch, {serial_loops: 4}]\n",
      r"did you mean 'serial_loop'"),
-    ("len.json", '{"rules": [["b", {"serial_loop": 0}]]}', "positive int, got 0"),
+    ("len.json", '{"rules": [["b", {"serial_loop": 0}]]}', "positive int, at most 1048576; got 0"),
     ("rules.yaml", "rules: 3\n", "must be a list of"),
     ("desc.yaml", "description: 3\nrules: []\n", "'description' must be a str"),
     ("rules.ini", "", r"(?s)Cannot tell the format.*\.yaml"),
