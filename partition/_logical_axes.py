@@ -3,7 +3,10 @@
 Every framework keeps a parameter's logical axes in its own place:
 
 * Flax linen wraps the value in a box: ``nn.LogicallyPartitioned`` (from
-  ``nn.with_logical_partitioning``) or ``nn.Partitioned``, both with a ``names`` field.
+  ``nn.with_logical_partitioning``, logical names) or ``nn.Partitioned`` (from
+  ``nn.with_partitioning``, *mesh-axis* names, read as a ``PartitionSpec``). T5X /
+  flaxformer models declare axes with ``param_with_axes``, which stores an ``AxisMetadata``
+  per parameter in a sibling collection (``params_axes/.../kernel_axes``).
 * Flax NNX keeps them in the Variable's metadata under ``out_sharding`` (older code uses the
   deprecated aliases ``sharding`` and ``sharding_names``).
 * Haiku has no place at all; this project annotates Haiku params (and any other pytree) by
@@ -11,8 +14,10 @@ Every framework keeps a parameter's logical axes in its own place:
   :class:`partition.PathRules`).
 
 :func:`logical_axes` reads all of these and returns one tree in the shape of the input with
-a logical-axes tuple per parameter (``None`` for unannotated ones) — the tree that
-``AxisRules.tree_shardings`` turns into ``jit(out_shardings=...)``.
+a logical-axes tuple per parameter (``None`` for unannotated ones, a ``PartitionSpec`` for
+mesh axes given directly) — the tree that ``AxisRules.tree_shardings`` turns into
+``jit(out_shardings=...)``. As in flax, a tuple shorter than the parameter's rank is a
+prefix: the trailing dims are replicated (the tuple is padded with ``None``).
 
 >>> import jax.numpy as jnp
 >>> import partition
@@ -30,11 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec
 
 from partition._errors import PartitionError, format_message
 
@@ -43,6 +49,29 @@ _DEPRECATED_NNX_KEYS = ("sharding_names", "sharding")
 
 class LogicalAxesError(PartitionError, ValueError):
   """Declared logical axes do not fit the parameter they annotate."""
+
+
+class LogicalAxesTypeError(LogicalAxesError, TypeError):
+  """Logical axes of the wrong Python type (e.g. a ``str`` instead of a tuple of names)."""
+
+
+def check_names(names: Any, where: str) -> tuple:
+  """``names`` as a tuple of ``str | None``; a ``str`` is never split into letters.
+
+  Raises:
+    LogicalAxesTypeError: naming ``where``, the bad value and the fix.
+  """
+  if isinstance(names, str):
+    raise LogicalAxesTypeError(
+        f"{where}: logical axes must be a sequence of names, got the str {names!r}. Write "
+        f"({names!r},) for one dim (a str would be split into the letters "
+        f"{tuple(names)!r}).")
+  if not isinstance(names, (tuple, list)) or not all(
+      n is None or isinstance(n, str) for n in names):
+    raise LogicalAxesTypeError(
+        f"{where}: logical axes must be a tuple of names (str or None), got {names!r}. "
+        "Write e.g. ('embed', 'mlp') or (None, 'mlp').")
+  return tuple(names)
 
 
 @jax.tree_util.register_dataclass
@@ -55,7 +84,11 @@ class Annotated:
 
   Args:
     value: an array, a ``jax.ShapeDtypeStruct``, or anything with a ``shape``.
-    names: one logical name (or ``None``) per dim of ``value``.
+    names: one logical name (or ``None``) per dim of ``value``; a shorter tuple is a prefix
+      (trailing dims replicated), as in flax. A ``str`` is an error: write ``('embed',)``.
+
+  Raises:
+    LogicalAxesTypeError: if ``names`` is a ``str`` or not a tuple of ``str | None``.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -71,7 +104,7 @@ class Annotated:
   names: tuple[str | None, ...] = dataclasses.field(metadata=dict(static=True))
 
   def __post_init__(self):
-    object.__setattr__(self, "names", tuple(self.names))
+    object.__setattr__(self, "names", check_names(self.names, "Annotated(names=...)"))
 
   def __repr__(self) -> str:
     return f"Annotated({_short(self.value)}, names={self.names!r})"
@@ -85,6 +118,8 @@ def _short(value: Any) -> str:
 
 
 def _dtype_shape(dtype: Any, shape: Sequence[int]) -> str:
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return f"{dtype}[{','.join(map(str, shape))}]"
   d = np.dtype(dtype)
   kind = {"f": "f", "i": "s", "u": "u", "b": "pred", "c": "c"}.get(d.kind, d.kind)
   name = "pred" if kind == "pred" else f"{kind}{d.itemsize * 8}"
@@ -100,6 +135,19 @@ def _flax_meta():
 
 def _nnx_variablelib():
   return sys.modules.get("flax.nnx.variablelib")
+
+
+def _is_mesh_box(x: Any) -> bool:
+  """A linen ``nn.Partitioned`` box, whose names are mesh axes (not logical names)."""
+  meta, spmd = _flax_meta(), sys.modules.get("flax.linen.spmd")
+  return (meta is not None and isinstance(x, meta.Partitioned)
+          and not (spmd is not None and isinstance(x, spmd.LogicallyPartitioned)))
+
+
+def _is_t5x_axes(x: Any) -> bool:
+  """An ``AxisMetadata`` entry of T5X's ``params_axes`` collection (``param_with_axes``)."""
+  lib = sys.modules.get("flax.linen.partitioning")
+  return lib is not None and isinstance(x, lib.AxisMetadata)
 
 
 def _is_flax_box(x: Any) -> bool:
@@ -156,11 +204,68 @@ def leaf_axes(x: Any) -> tuple | None:
   """Logical axes of one leaf (box, Variable or plain array); ``None`` if unannotated."""
   if isinstance(x, Annotated):
     return x.names
+  if _is_mesh_box(x):
+    return PartitionSpec(*x.names)
   if _is_flax_box(x):
     return _as_names(getattr(x, "names", None))
   if _is_nnx_variable(x):
     return nnx_axes(x)
   return None
+
+
+def path_str(path: tuple) -> str:
+  """A key path as ``a/b/0/c``: the one path format of patterns, reports and errors."""
+  parts = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        parts.append(str(getattr(k, attr)))
+        break
+    else:
+      parts.append(str(k))
+  return "/".join(parts)
+
+
+def _t5x_tables(tree: Any) -> dict[str, dict[str, tuple]]:
+  """``{collection: {path inside it: names}}`` from T5X ``<collection>_axes`` collections."""
+  if not isinstance(tree, Mapping):
+    return {}
+  out: dict[str, dict[str, tuple]] = {}
+  for key, sub in tree.items():
+    base = key[:-len("_axes")] if isinstance(key, str) and key.endswith("_axes") else None
+    if base is None or base not in tree:
+      continue
+    flat = jax.tree_util.tree_flatten_with_path(sub, is_leaf=_is_t5x_axes)[0]
+    table = {}
+    for path, meta in flat:
+      name = path_str(path)
+      if _is_t5x_axes(meta) and name.endswith("_axes"):
+        table[name[:-len("_axes")]] = _as_names(meta.names)
+    out[base] = table
+  return out
+
+
+def _t5x_lookup(tables: Mapping[str, Mapping[str, tuple]], path: tuple) -> tuple | None:
+  if not tables or not path:
+    return None
+  name = path_str(path)
+  collection, _, rest = name.partition("/")
+  return tables.get(collection, {}).get(rest)
+
+
+def fit_rank(axes: Any, leaf: Any) -> tuple[Any, tuple[int, ...] | None]:
+  """``(axes padded to the rank, None)``, or ``(axes, shape)`` if ``axes`` is too long.
+
+  Shorter tuples are a prefix, as in flax: trailing dims get ``None`` (replicated).
+  """
+  shape = getattr(param_value(leaf), "shape", None)
+  if axes is None or shape is None:
+    return axes, None
+  if len(axes) > len(shape):
+    return axes, tuple(shape)
+  if isinstance(axes, PartitionSpec):
+    return axes, None
+  return tuple(axes) + (None,) * (len(shape) - len(axes)), None
 
 
 # -- public API --------------------------------------------------------------------------------
@@ -177,11 +282,13 @@ def _graph_state(tree: Any) -> Any:
 def logical_axes(tree: Any) -> Any:
   """The logical axes of every parameter in ``tree``, as a matching pytree.
 
-  Reads linen boxes (``nn.LogicallyPartitioned``, ``nn.Partitioned``), NNX Variables
-  (``out_sharding`` metadata, or the deprecated ``sharding`` / ``sharding_names``, read
-  without warnings), NNX Modules (through ``nnx.state``) and :class:`Annotated` boxes.
-  Each box / Variable becomes a tuple of names; unannotated leaves become ``None``
-  (replicated by ``AxisRules.tree_specs``).
+  Reads linen boxes (``nn.LogicallyPartitioned``; ``nn.Partitioned``, whose mesh-axis
+  names become a ``PartitionSpec``), T5X ``param_with_axes`` metadata (the ``params_axes``
+  collection, for parameters without a box), NNX Variables (``out_sharding`` metadata, or
+  the deprecated ``sharding`` / ``sharding_names``, read without warnings), NNX Modules
+  (through ``nnx.state``) and :class:`Annotated` boxes. Each box / Variable becomes a tuple
+  of names padded with ``None`` to the parameter's rank (a short tuple is a prefix, as in
+  flax); unannotated leaves become ``None`` (replicated by ``AxisRules.tree_specs``).
 
   Args:
     tree: linen variables, an NNX Module / ``nnx.State`` / Variable, Haiku params annotated
@@ -189,11 +296,12 @@ def logical_axes(tree: Any) -> Any:
 
   Returns:
     A pytree with the structure of ``tree`` (of ``nnx.state(tree)`` for an NNX Module) whose
-    leaves are logical-axes tuples or ``None``.
+    leaves are logical-axes tuples, ``PartitionSpec``s (mesh axes given directly) or
+    ``None``.
 
   Raises:
-    LogicalAxesError: if a declared tuple does not have one name per dim; the message names
-      every offending path.
+    LogicalAxesError: if a declared tuple names more dims than its parameter has; the
+      message names every offending path (``a/b/c``).
 
   Example:
     >>> import jax, flax.linen as nn
@@ -205,33 +313,33 @@ def logical_axes(tree: Any) -> Any:
     {'params': {'bias': None, 'kernel': ('embed', 'mlp')}}
   """
   tree = _graph_state(tree)
+  tables = _t5x_tables(tree)
   problems: list[str] = []
 
   def one(path, leaf):
     axes = leaf_axes(leaf)
-    shape = rank_mismatch(axes, leaf)
+    if axes is None:
+      axes = _t5x_lookup(tables, path)
+    axes, shape = fit_rank(axes, leaf)
     if shape is not None:
-      where = jax.tree_util.keystr(path) or "<root>"
-      problems.append(f"{where}: logical axes {axes} name {len(axes)} dims but the "
-                      f"parameter has shape {shape}")
+      problems.append(f"{path_str(path) or '<root>'}: logical axes {tuple(axes)} name "
+                      f"{len(axes)} dims but the parameter has shape {shape}")
     return axes
 
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
   if problems:
     raise LogicalAxesError(format_message(
-        f"logical_axes: {len(problems)} parameter(s) declare logical axes of the wrong rank:",
+        f"logical_axes: {len(problems)} parameter(s) declare more logical axes than dims:",
         bullets=problems,
-        fix="Give one logical name (or None) per dim of each parameter, e.g. "
-            "('embed', 'mlp') for a 2-D kernel."))
+        fix="Give at most one logical name (or None) per dim of each parameter, e.g. "
+            "('embed', 'mlp') for a 2-D kernel; a shorter tuple leaves the trailing dims "
+            "replicated."))
   return out
 
 
 def rank_mismatch(axes: Any, leaf: Any) -> tuple[int, ...] | None:
-  """The parameter's shape if ``axes`` names a different number of dims, else None."""
-  shape = getattr(param_value(leaf), "shape", None)
-  if axes is None or shape is None or len(axes) == len(shape):
-    return None
-  return tuple(shape)
+  """The parameter's shape if ``axes`` names more dims than it has, else None."""
+  return fit_rank(axes, leaf)[1]
 
 
 def unbox(tree: Any) -> Any:

@@ -5,8 +5,12 @@ parameter's path is its pytree key path joined by ``/`` — ``params/Dense_0/ker
 linen variables, ``layers/0/kernel`` for an NNX state, ``mlp/~/linear_0/w`` for Haiku
 params — and the first pattern that matches anywhere in it (``re.search``; anchor with
 ``^``/``$``) gives the parameter's logical axes. ``None`` as axes means "matched, leave it
-replicated". Parameters that already declare axes (linen boxes, NNX ``out_sharding``,
-:class:`partition.Annotated`) keep them; the table only fills in the rest.
+replicated"; a tuple shorter than the parameter's rank is a prefix (trailing dims
+replicated), as in flax. Parameters that already declare axes (linen boxes, T5X
+``params_axes``, NNX ``out_sharding``, :class:`partition.Annotated`) keep them and the table
+only fills in the rest — unless it is built with ``override=True``, in which case a matching
+pattern replaces the declared axes (the escape hatch for models whose own annotations do not
+suit your mesh).
 
 >>> import jax.numpy as jnp
 >>> import partition
@@ -31,11 +35,17 @@ import jax
 from partition._errors import PartitionError, format_message
 from partition._logical_axes import (
   Annotated,
+  _graph_state,
   _is_nnx_variable,
+  _t5x_lookup,
+  _t5x_tables,
+  fit_rank,
   is_param_leaf,
   leaf_axes,
-  rank_mismatch,
+  path_str,
 )
+
+__all__ = ["PathMatch", "PathRules", "PathRulesError", "as_path_rules", "path_str"]
 
 AXES_FIX = "Write each entry as (regex, logical_axes), e.g. (r'.*/kernel$', ('embed', 'mlp'))."
 
@@ -46,19 +56,6 @@ class PathRulesError(PartitionError, ValueError):
 
 class PathRulesTypeError(PathRulesError, TypeError):
   """A path table was built from a Python object of the wrong type."""
-
-
-def path_str(path: tuple) -> str:
-  """A key path as ``a/b/0/c`` (the form path-rule patterns are matched against)."""
-  parts = []
-  for k in path:
-    for attr in ("key", "name", "idx"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return "/".join(parts)
 
 
 def _check_axes(axes: Any) -> bool:
@@ -73,9 +70,10 @@ class PathMatch:
   Attributes:
     axes: the logical-axes tree (declared axes where present, else the table's).
     matched: ``{path: index of the pattern that matched}``.
-    declared: paths whose axes were already declared by the model.
+    declared: paths whose axes were already declared by the model (and kept).
     unmatched: paths with no declared axes that no pattern matched.
     unused: patterns that matched no path.
+    overridden: paths whose declared axes a pattern replaced (``override=True``).
   """
 
   axes: Any
@@ -83,11 +81,13 @@ class PathMatch:
   declared: tuple[str, ...]
   unmatched: tuple[str, ...]
   unused: tuple[str, ...]
+  overridden: tuple[str, ...] = ()
 
   def __str__(self) -> str:
     lines = [f"{len(self.matched)} parameter(s) matched, {len(self.declared)} declared by "
              f"the model, {len(self.unmatched)} unmatched, {len(self.unused)} unused "
-             "pattern(s)"]
+             "pattern(s)" + (f", {len(self.overridden)} overridden" if self.overridden
+                             else "")]
     lines += [f"  unmatched path: {p}" for p in self.unmatched]
     lines += [f"  unused pattern: {p!r}" for p in self.unused]
     return "\n".join(lines)
@@ -99,22 +99,33 @@ class PathRules:
 
   Args:
     pairs: ``(pattern, logical_axes)`` pairs in priority order, or a mapping (kept in
-      insertion order). ``logical_axes`` is a tuple with one name (or ``None``) per dim, or
-      ``None`` to match a parameter and leave it replicated.
+      insertion order). ``logical_axes`` is a tuple with one name (or ``None``) per dim (a
+      shorter tuple is a prefix), or ``None`` to match a parameter and leave it replicated.
+    override: if True, a matching pattern replaces the axes the model declares itself
+      (linen boxes, ``param_with_axes``, NNX ``out_sharding``); default False: declared
+      axes win and the table only fills gaps.
 
   Raises:
     PathRulesError: for an invalid regex or axes; every bad entry is reported.
 
   Example:
+    >>> import jax.numpy as jnp
     >>> import partition
     >>> partition.PathRules({r'kernel$': ('embed', 'mlp'), r'bias$': None})
     PathRules([('kernel$', ('embed', 'mlp')), ('bias$', None)])
+    >>> declared = {'kernel': partition.Annotated(jnp.zeros((4, 8)), ('embed', 'mlp'))}
+    >>> partition.PathRules([(r'kernel$', (None, 'mlp'))], override=True).axes(declared)
+    {'kernel': (None, 'mlp')}
   """
 
   pairs: tuple[tuple[str, tuple[str | None, ...] | None], ...]
+  override: bool = False
 
-  def __init__(self, pairs: Iterable | Mapping | PathRules = ()):
+  def __init__(self, pairs: Iterable | Mapping | PathRules = (), *, override: bool | None = None):
+    if override is not None and not isinstance(override, bool):
+      raise PathRulesTypeError(f"PathRules(override=...) takes True or False, got {override!r}.")
     if isinstance(pairs, PathRules):
+      override = pairs.override if override is None else override
       pairs = pairs.pairs
     elif isinstance(pairs, Mapping):
       pairs = list(pairs.items())
@@ -136,6 +147,10 @@ class PathRules:
       except re.error as e:
         problems.append(f"entry #{i} {pattern!r}: invalid regex ({e})")
         continue
+      if isinstance(axes, str):
+        problems.append(f"entry #{i} {pattern!r}: logical axes {axes!r} is a str; write "
+                        f"({axes!r},) for one dim (a str is never split into letters)")
+        continue
       if not _check_axes(axes):
         problems.append(f"entry #{i} {pattern!r}: logical axes must be a tuple of names "
                         f"(str or None) or None, got {axes!r}")
@@ -145,16 +160,18 @@ class PathRules:
       raise PathRulesTypeError(format_message(
           "PathRules(pairs) got invalid entries:", bullets=problems, fix=AXES_FIX))
     object.__setattr__(self, "pairs", tuple(canon))
+    object.__setattr__(self, "override", bool(override))
 
   def __repr__(self) -> str:
-    return f"PathRules({list(self.pairs)!r})"
+    flag = ", override=True" if self.override else ""
+    return f"PathRules({list(self.pairs)!r}{flag})"
 
   def __len__(self) -> int:
     return len(self.pairs)
 
   def __add__(self, other: PathRules | Iterable) -> PathRules:
     """Concatenation: ``other``'s patterns are tried after this table's."""
-    return PathRules(list(self.pairs) + list(PathRules(other).pairs))
+    return PathRules(list(self.pairs) + list(PathRules(other).pairs), override=self.override)
 
   def lookup(self, path: str) -> tuple[int, tuple | None] | None:
     """``(pattern index, logical_axes)`` of the first pattern matching ``path``, or None."""
@@ -170,22 +187,28 @@ class PathRules:
       PathRulesError: if a matched pattern's axes do not have one name per dim; the
         message lists every such path with its shape and the pattern.
     """
+    tree = _graph_state(tree)
+    tables = _t5x_tables(tree)
     matched: dict[str, int] = {}
-    declared, unmatched, problems = [], [], []
+    declared, unmatched, overridden, problems = [], [], [], []
 
     def one(path, leaf):
       name = path_str(path)
       own = leaf_axes(leaf)
-      if own is not None:
-        declared.append(name)
-        return own
+      if own is None:
+        own = _t5x_lookup(tables, path)
       hit = self.lookup(name)
+      if own is not None and (hit is None or not self.override):
+        declared.append(name)
+        return fit_rank(own, leaf)[0]
       if hit is None:
         unmatched.append(name)
         return None
+      if own is not None:
+        overridden.append(name)
       index, axes = hit
       matched[name] = index
-      shape = rank_mismatch(axes, leaf)
+      axes, shape = fit_rank(axes, leaf)
       if shape is not None:
         problems.append(f"{name}: pattern #{index} {self.pairs[index][0]!r} gives {axes} "
                         f"({len(axes)} dims) but the parameter has shape {shape}")
@@ -194,13 +217,15 @@ class PathRules:
     axes_tree = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
     if problems:
       raise PathRulesError(format_message(
-          f"PathRules: {len(problems)} parameter(s) got logical axes of the wrong rank:",
+          f"PathRules: {len(problems)} parameter(s) got more logical axes than dims:",
           bullets=problems,
-          fix="Give those patterns one name (or None) per dim, or make them more specific "
-              "(anchor with '$', e.g. r'/kernel$') so they skip parameters of other ranks."))
+          fix="Give those patterns at most one name (or None) per dim, or make them more "
+              "specific (anchor with '$', e.g. r'/kernel$') so they skip parameters of other "
+              "ranks."))
     used = set(matched.values())
     unused = tuple(p for i, (p, _) in enumerate(self.pairs) if i not in used)
-    return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused)
+    return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused,
+                     tuple(overridden))
 
   def axes(self, tree: Any, *, strict: bool = False) -> Any:
     """The logical-axes tree of ``tree`` (see :meth:`match`).
@@ -227,16 +252,21 @@ class PathRules:
     """``tree`` with each matched plain parameter wrapped in :class:`partition.Annotated`.
 
     NNX Variables get the axes as ``out_sharding`` metadata (on a copy) instead; declared
-    parameters and unmatched ones are returned unchanged.
+    parameters and unmatched ones are returned unchanged. With ``override=True``, matched
+    :class:`Annotated` boxes and NNX Variables get the table's axes instead of their own
+    (linen boxes are left as they are: :meth:`axes` reports the override for them).
     """
     axes_tree = self.axes(tree, strict=strict)
 
     def box(leaf, axes):
-      if axes is None or leaf_axes(leaf) is not None:
+      own = leaf_axes(leaf)
+      if axes is None or (own is not None and (not self.override or own == axes)):
         return leaf
       if _is_nnx_variable(leaf):
         return leaf.copy(out_sharding=axes)
-      return Annotated(leaf, axes)
+      if isinstance(leaf, Annotated):
+        return Annotated(leaf.value, axes)
+      return leaf if is_param_leaf(leaf) else Annotated(leaf, axes)
 
     return jax.tree.map(box, tree, axes_tree, is_leaf=is_param_leaf)
 

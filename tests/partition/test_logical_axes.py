@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import partition
 
@@ -33,11 +34,12 @@ def test_linen_boxes_match_flax_get_partition_spec():
   assert axes == {"params": {
       "Dense_0": {"kernel": ("embed", "mlp"), "bias": None},
       "Dense_1": {"kernel": None, "bias": None},
-      "scale": ("data",)}}
+      "scale": P("data")}}
   # Independent reference: flax's own reader gives the same names as PartitionSpecs.
   flax_specs = nn.get_partition_spec(variables)
   assert tuple(flax_specs["params"]["Dense_0"]["kernel"]) == ("embed", "mlp")
-  assert tuple(flax_specs["params"]["scale"]) == ("data",)
+  # nn.with_partitioning names mesh axes: they come back as flax's own PartitionSpec.
+  assert axes["params"]["scale"] == flax_specs["params"]["scale"]
 
 
 def test_nnx_module_state_and_variable():
@@ -88,15 +90,66 @@ def test_annotated_box_and_unbox():
   assert float(doubled["w"].value[0, 0]) == 2.0
 
 
-def test_rank_mismatch_names_every_path():
-  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed",)),
+def test_too_many_names_names_every_path():
+  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed", "mlp", "kv")),
           "v": {"k": partition.Annotated(jnp.ones(3), ("a", "b"))}}
-  with pytest.raises(ValueError, match=r"2 parameter\(s\)") as e:
+  with pytest.raises(ValueError, match=r"2 parameter\(s\) declare more") as e:
     partition.logical_axes(tree)
   msg = str(e.value)
-  assert "['w']: logical axes ('embed',) name 1 dims but the parameter has shape (2, 3)" in msg
-  assert "['v']['k']" in msg and "one logical name (or None) per dim" in msg
+  assert ("w: logical axes ('embed', 'mlp', 'kv') name 3 dims but the parameter has shape "
+          "(2, 3)") in msg
+  assert "v/k: logical axes ('a', 'b')" in msg and "at most one logical name" in msg
   assert isinstance(e.value, partition.LogicalAxesError)
+
+
+def test_short_names_are_a_prefix_like_flax():
+  # flax's lm1b example boxes its 3-D attention kernels with 2 names.
+  init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "kv"))
+  dense = nn.DenseGeneral((2, 4), kernel_init=init)
+  variables = jax.eval_shape(dense.init, jax.random.key(0), jnp.ones((1, 8)))
+  axes = partition.logical_axes(variables)["params"]["kernel"]
+  assert axes == ("embed", "kv", None)
+  rules = [("embed", "fsdp"), ("kv", "tensor")]
+  # Independent reference: flax's spec for the declared (short) names, padded by JAX.
+  ref = nn.logical_to_mesh_axes(("embed", "kv"), rules)
+  assert partition.AxisRules(rules).spec(axes) == P(*ref, None)
+  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed",))}
+  assert partition.logical_axes(tree) == {"w": ("embed", None)}
+
+
+def test_t5x_param_with_axes_metadata_is_read():
+  from flax.linen import partitioning as nn_partitioning
+
+  class T5Dense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      k = nn_partitioning.param_with_axes("kernel", nn.initializers.lecun_normal(),
+                                          (x.shape[-1], 8), axes=("embed", "mlp"))
+      b = nn_partitioning.param_with_axes("bias", nn.initializers.zeros, (8,),
+                                          axes=("mlp",))
+      return x @ k + b + self.param("plain", nn.initializers.zeros, (8,))
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return T5Dense(name="wi")(x)
+
+  variables = jax.eval_shape(Block().init, jax.random.key(0), jnp.ones((2, 4)))
+  axes = partition.logical_axes(variables)
+  # Independent reference: flax's get_axis_names over the params_axes collection.
+  ref = nn_partitioning.get_axis_names(variables["params_axes"])
+  assert axes["params"]["wi"]["kernel"] == tuple(ref["wi"]["kernel"]) == ("embed", "mlp")
+  assert axes["params"]["wi"]["bias"] == tuple(ref["wi"]["bias"])
+  assert axes["params"]["wi"]["plain"] is None
+
+
+def test_annotated_rejects_a_str_instead_of_names():
+  with pytest.raises(TypeError, match=r"Write \('em',\) for one dim") as e:
+    partition.Annotated(jnp.ones(4), "em")
+  assert "letters ('e', 'm')" in str(e.value)
+  assert isinstance(e.value, partition.PartitionError)
+  with pytest.raises(TypeError, match=r"tuple of names \(str or None\), got \('a', 3\)"):
+    partition.Annotated(jnp.ones((4, 4)), ("a", 3))
 
 
 def test_plain_tree_is_all_none():

@@ -74,15 +74,44 @@ def test_first_match_wins_and_none_replicates():
   assert report.unmatched == () and report.unused == ()
 
 
-def test_rank_mismatch_error_names_path_pattern_and_fix():
-  table = partition.PathRules([(r"kernel", ("embed", "mlp"))])
-  tree = {"conv": {"kernel": jnp.ones((3, 3, 2, 4))}, "dense": {"kernel": jnp.ones((2, 4))}}
+def test_too_many_names_error_names_path_pattern_and_fix():
+  table = partition.PathRules([(r"kernel", ("embed", "heads", "kv"))])
+  tree = {"attn": {"kernel": jnp.ones((3, 2, 4))}, "dense": {"kernel": jnp.ones((2, 4))}}
   with pytest.raises(ValueError, match=r"anchor with '\$'") as e:
     table.axes(tree)
   msg = str(e.value)
-  assert "conv/kernel: pattern #0 'kernel' gives ('embed', 'mlp') (2 dims) but the " \
-         "parameter has shape (3, 3, 2, 4)" in msg
-  assert "dense/kernel" not in msg
+  assert "dense/kernel: pattern #0 'kernel' gives ('embed', 'heads', 'kv') (3 dims) but the " \
+         "parameter has shape (2, 4)" in msg
+  assert "attn/kernel" not in msg
+  assert isinstance(e.value, partition.PathRulesError)
+
+
+def test_short_pattern_axes_are_a_prefix():
+  table = partition.PathRules([(r"kernel$", ("embed", "mlp"))])
+  tree = {"conv": {"kernel": jnp.ones((3, 3, 2, 4))}}
+  assert table.axes(tree) == {"conv": {"kernel": ("embed", "mlp", None, None)}}
+
+
+def test_override_replaces_declared_axes_only_when_asked():
+  tree = {"a": {"kernel": partition.Annotated(jnp.ones((2, 3)), ("x", "y"))},
+          "b": {"kernel": jnp.ones((2, 3))}}
+  pairs = [(r"kernel$", ("embed", "mlp"))]
+  assert partition.PathRules(pairs).axes(tree)["a"]["kernel"] == ("x", "y")
+  table = partition.PathRules(pairs, override=True)
+  report = table.match(tree)
+  assert report.axes == {"a": {"kernel": ("embed", "mlp")}, "b": {"kernel": ("embed", "mlp")}}
+  assert report.overridden == ("a/kernel",) and report.declared == ()
+  assert "1 overridden" in str(report)
+  assert table.annotate(tree)["a"]["kernel"].names == ("embed", "mlp")
+  assert repr(table) == "PathRules([('kernel$', ('embed', 'mlp'))], override=True)"
+  assert (table + [(r"bias$", None)]).override
+  with pytest.raises(TypeError, match="takes True or False"):
+    partition.PathRules(pairs, override="yes")
+
+
+def test_str_axes_is_an_error_not_letters():
+  with pytest.raises(TypeError, match=r"write \('em',\) for one dim") as e:
+    partition.PathRules([(r"kernel$", "em")])
   assert isinstance(e.value, partition.PathRulesError)
 
 
@@ -101,7 +130,7 @@ def test_construction_errors_collected():
     partition.PathRules([("(", ("a",)), ("ok", "embed"), ("x",)])
   msg = str(e.value)
   assert "entry #0 '(': invalid regex" in msg
-  assert "entry #1 'ok': logical axes must be a tuple" in msg
+  assert "entry #1 'ok': logical axes 'embed' is a str; write ('embed',)" in msg
   assert "entry #2 ('x',): expected a (regex, logical_axes) pair" in msg
   with pytest.raises(TypeError, match="list of"):
     partition.PathRules("kernel")
