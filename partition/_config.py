@@ -207,7 +207,7 @@ def parse_document(doc: Any) -> tuple[list[tuple[str, Value]], list[str]]:
   if "description" in doc and not isinstance(doc["description"], str):
     problems.append(f"'description' must be a str, got {short(doc['description'])}")
   if "rules" not in doc:
-    hinted = any("did you mean key=" in p for p in problems)
+    hinted = any("did you mean key=" in p or " unknown keys (" in p for p in problems)
     return [], problems + ([] if hinted else ["missing key 'rules'"])
   pairs, more = parse_entries(doc["rules"])
   return pairs, problems + more
@@ -262,10 +262,17 @@ def _missing_key_message(node: Mapping, parts, i, path, source, doc) -> str:
       fix=f"Pass the dotted path of the rules list as key=.{hint}")
 
 
-def parse_selected(value: Any, label: str) -> tuple[list[tuple[str, Value]], list[str]]:
+def parse_selected(value: Any, label: str, doc: Any = None
+                   ) -> tuple[list[tuple[str, Value]], list[str]]:
   """Rules found under ``key=``: a list of pairs, a ``{name: axes}`` table, or a document."""
   if isinstance(value, Mapping) and "rules" in value and set(value) <= set(TOP_KEYS):
     return parse_document(value)
+  if isinstance(value, list) and value and not any(
+      isinstance(e, (list, tuple)) and len(e) == 2 for e in value):
+    # Not a rules list at all (e.g. MaxText's mesh_axes): one line, not one per item.
+    found = [k for k in rules_keys(doc) if k != label]
+    hint = f"; did you mean key={found[0]!r}?" if found else ""
+    return [], [f"{label!r} holds {short(value)}, not [logical_name, mesh_axes] pairs{hint}"]
   return parse_entries(value, label)
 
 
@@ -287,8 +294,19 @@ def format_of(path: str, fmt: Any, error: type[Exception] = ConfigError) -> str:
   return FORMATS[ext]
 
 
-def _syntax_error(path: str, fmt: str, err: BaseException) -> ConfigError:
-  detail = short(str(err).strip().replace("\n", " "))[1:-1]
+def _toml_line(err: BaseException, data: bytes) -> list[str]:
+  """The source line a TOML error points at (tomllib names the line, not the key)."""
+  m = re.search(r"at line (\d+)", str(err))
+  lines = data.decode("utf-8", "replace").splitlines()
+  if not m or not 1 <= int(m.group(1)) <= len(lines):
+    return []
+  hint = " (a key given twice?)" if "overwrite" in str(err) else ""
+  return [f"line {m.group(1)}: {short(lines[int(m.group(1)) - 1].strip())[1:-1]}{hint}"]
+
+
+def _syntax_error(path: str, fmt: str, err: BaseException, data: bytes = b"") -> ConfigError:
+  detail = str(err).strip().replace("\n", " ")
+  detail = detail if len(detail) <= 300 else detail[:297] + "..."
   mark = getattr(err, "problem_mark", None)
   if mark is not None:
     detail = f"line {mark.line + 1}, column {mark.column + 1}: {getattr(err, 'problem', '')}"
@@ -296,8 +314,9 @@ def _syntax_error(path: str, fmt: str, err: BaseException) -> ConfigError:
     detail = f"line {err.lineno}, column {err.colno}: {err.msg}"
   elif isinstance(err, RecursionError):
     detail = f"nested more deeply than Python can parse (the limit here is {MAX_DEPTH})"
+  more = _toml_line(err, data) if fmt == "toml" else []
   return ConfigError(format_message(
-      f"Rules file {path!r} is not valid {fmt.upper()}.", bullets=[detail],
+      f"Rules file {path!r} is not valid {fmt.upper()}.", bullets=[detail, *more],
       fix=f"Fix the {fmt.upper()} syntax at that position. {ENTRY_FIX}"))
 
 
@@ -398,7 +417,7 @@ def parse_text(data: bytes, fmt: str, source: str) -> Any:
           RecursionError) as e:
     # ValueError covers JSONDecodeError, UnicodeDecodeError, YAML's invalid dates and
     # Python's limit on int digits; RecursionError, deeply nested brackets.
-    raise _syntax_error(source, fmt, e) from None
+    raise _syntax_error(source, fmt, e, data) from None
   problems = duplicates + [p for p in [_depth_problem(doc)] if p]
   if problems:
     raise ConfigError(format_message(
@@ -430,7 +449,7 @@ def load(path: Any, *, format: str | None = None, key: Any = None) -> dict[str, 
     label = ""
   else:
     value, label = select(doc, key, f"Rules file {text_path!r}")
-    pairs, problems = parse_selected(value, label)
+    pairs, problems = parse_selected(value, label, doc)
   if problems:
     raise ConfigError(format_message(
         f"Invalid axis rules in {text_path!r}" + (f" under key {label!r}" if label else "")

@@ -14,8 +14,9 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from partition._config import RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
-from partition._errors import PartitionError, format_message
+from partition._errors import MeshError, PartitionError, format_message
 from partition._mesh import AnyMesh, describe, explicit_axes
 from partition._rules import LogicalAxes, is_axes_leaf, map_axes_tree
 
@@ -44,6 +45,9 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
 
   Raises:
     NoRulesError: a mesh is in scope but no rules are.
+    MeshError: ``mesh=`` is not a mesh, the rules mesh and the ``jax.set_mesh`` mesh use
+      different devices, or JAX rejects the sharding (its message is the ``__cause__``).
+    RulesError: logical axes that do not fit ``x`` (all leaves reported together).
 
   Example:
     >>> import jax, jax.numpy as jnp, partition
@@ -60,9 +64,13 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
     >>> partition.constrain(jnp.ones(3), ('batch',)).shape  # no mesh: no-op
     (3,)
   """
+  if not isinstance(strict, bool):
+    raise RulesTypeError(
+        f"partition.constrain(strict=...) takes True or False, got {short(strict)}.")
   found_mesh = current_rules_mesh(mesh)
   if found_mesh is None:
     return x
+  _check_context_mesh(found_mesh)
   found_rules = current_rules(rules)
   if found_rules is None:
     raise NoRulesError(format_message(
@@ -92,11 +100,50 @@ def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
   return PartitionSpec(*(keep(e) for e in spec))
 
 
+def _device_ids(mesh: AnyMesh) -> frozenset[int] | None:
+  if not isinstance(mesh, jax.sharding.Mesh):  # an AbstractMesh has no devices
+    return None
+  return frozenset(d.id for d in mesh.devices.flat)
+
+
+def _check_context_mesh(mesh: AnyMesh) -> None:
+  """The mesh we constrain on must use the devices of the ``jax.set_mesh`` mesh, if any.
+
+  Otherwise JAX fails deep inside ``reshard``/``jit`` with "incompatible devices".
+  """
+  try:
+    context = jax.sharding.get_mesh()
+  except ValueError:  # inside jax.jit only the abstract mesh is visible
+    context = None
+  if context is None or context.empty:
+    context = jax.sharding.get_abstract_mesh()
+  if context is None or context.empty or context is mesh:
+    return
+  ours, theirs = _device_ids(mesh), _device_ids(context)
+  differ = (ours != theirs) if ours is not None and theirs is not None else (
+      mesh.size != context.size)
+  if differ:
+    raise MeshError(format_message(
+        "partition.constrain: the rules mesh and the jax.set_mesh mesh use different devices.",
+        context=[f"rules mesh (axis_rules or mesh=): {describe(mesh)}, {mesh.size} devices",
+                 f"jax.set_mesh mesh: {describe(context)}, {context.size} devices"],
+        fix="Use one mesh: `with jax.set_mesh(mesh), partition.axis_rules(rules, mesh):`, or "
+            "leave the mesh out of axis_rules so the jax.set_mesh mesh is used."))
+
+
 def _apply(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
   explicit = explicit_axes(mesh)
   auto = frozenset(mesh.axis_names) - explicit
-  if explicit:
-    x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))
-  if auto:
-    x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only(spec, auto)))
+  try:
+    if explicit:
+      x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))
+    if auto:
+      x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _only(spec, auto)))
+  except ValueError as e:  # JAX's device/mesh mismatches; its text stays the __cause__
+    raise MeshError(format_message(
+        f"partition.constrain: JAX rejected the sharding {spec} of a value of shape "
+        f"{getattr(x, 'shape', '?')}.", context=[describe(mesh)],
+        bullets=[str(e).splitlines()[0][:300]],
+        fix="Put the value on the mesh's devices (jax.device_put) and run under "
+            "`with jax.set_mesh(mesh):` with the same mesh as axis_rules.")) from e
   return x

@@ -156,7 +156,7 @@ class AxisRules:
     else:
       _config.key_parts(key, RulesTypeError)
       value, label = _config.select(d, key, "AxisRules.from_dict")
-      pairs, problems = _config.parse_selected(value, label)
+      pairs, problems = _config.parse_selected(value, label, d)
     if problems:
       raise (RulesTypeError if not isinstance(d, Mapping) else RulesError)(format_message(
           "AxisRules.from_dict got an invalid document:", bullets=problems,
