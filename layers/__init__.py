@@ -1,1 +1,11 @@
-"""Layer library: Flax linen, Flax NNX and Haiku layers that declare logical axes."""
+"""Layer library: Flax linen, Flax NNX and Haiku layers that declare logical axes.
+
+Framework modules are imported explicitly: ``import layers.linen``, ``layers.nnx``,
+``layers.haiku``.
+"""
+
+from layers._config import ConfigError as ConfigError
+from layers._config import TransformerConfig as TransformerConfig
+from layers._canonical import CanonicalError as CanonicalError
+from layers._canonical import from_canonical as from_canonical
+from layers._canonical import to_canonical as to_canonical

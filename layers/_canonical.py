@@ -1,0 +1,220 @@
+"""Framework-independent weights: one flat ``{name: array}`` dict for every Transformer.
+
+Canonical names drop the framework's wrapping (linen's ``params/``, Haiku's module name,
+NNX's attribute paths) and always *stack* the blocks: a block parameter is one array with a
+leading ``layers`` dim under ``blocks/...``, whether the model is scanned or not:
+
+=======================================  ===========================================
+``embed/embedding``                      ``(vocab, embed)``
+``blocks/attn_norm/scale``               ``(layers, embed)``
+``blocks/attn/query/kernel``             ``(layers, embed, heads, head_dim)``
+``blocks/attn/key/kernel``, ``value``    ``(layers, embed, kv_heads, head_dim)``
+``blocks/attn/out/kernel``               ``(layers, heads, head_dim, embed)``
+``blocks/mlp_norm/scale``                ``(layers, embed)``
+``blocks/mlp/wi_gate/kernel``, ``wi_up`` ``(layers, embed, mlp)``
+``blocks/mlp/wo/kernel``                 ``(layers, mlp, embed)``
+``blocks/moe/router``                    ``(layers, embed, expert)``
+``blocks/moe/wi_gate``, ``wi_up``        ``(layers, expert, embed, mlp)``
+``blocks/moe/wo``                        ``(layers, expert, mlp, embed)``
+``final_norm/scale``                     ``(embed,)``
+=======================================  ===========================================
+
+Framework paths it understands: linen ``params/blocks_3/...`` (unrolled) and
+``params/blocks/...`` (``nn.scan``); NNX ``blocks/3/...`` (``nnx.List``) and ``blocks/...``
+(``nnx.vmap``); Haiku ``transformer/blocks_3/...`` and ``transformer/blocks/block/...``
+(``hk.layer_stack``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from partition import PartitionError
+from partition._errors import format_message
+
+_UNROLLED = re.compile(r"^blocks_(\d+)$")
+_WRAPPERS = ("params", "transformer")
+
+
+class CanonicalError(PartitionError, ValueError):
+  """Canonical weights do not match the parameters they are loaded into."""
+
+
+# -- paths -----------------------------------------------------------------------------------
+
+
+def _key_parts(key: Any) -> list[str]:
+  for attr in ("key", "name", "idx"):
+    if hasattr(key, attr):
+      return str(getattr(key, attr)).split("/")
+  return [str(key)]
+
+
+def canonical_name(parts: Iterable[str]) -> tuple[str, int | None]:
+  """``(canonical name, layer index)`` of a framework path (index ``None`` when stacked or
+  outside the blocks).
+
+  >>> canonical_name(['params', 'blocks_1', 'attn', 'query', 'kernel'])
+  ('blocks/attn/query/kernel', 1)
+  >>> canonical_name(['transformer', 'blocks', 'block', 'mlp_norm', 'scale'])
+  ('blocks/mlp_norm/scale', None)
+  """
+  parts = [p for p in parts if p not in ("~", "")]
+  if parts and parts[0] in _WRAPPERS:
+    parts = parts[1:]
+  if parts and (m := _UNROLLED.match(parts[0])):
+    return "/".join(["blocks", *parts[1:]]), int(m.group(1))
+  if parts[:1] == ["blocks"] and len(parts) > 1:
+    if parts[1].isdigit():
+      return "/".join(["blocks", *parts[2:]]), int(parts[1])
+    if parts[1] == "block":
+      return "/".join(["blocks", *parts[2:]]), None
+  return "/".join(parts), None
+
+
+# -- framework trees -------------------------------------------------------------------------
+
+
+def _is_box(x: Any) -> bool:
+  """A linen ``AxisMetadata`` box or an NNX ``Variable``: a leaf here."""
+  module = type(x).__module__
+  return module.startswith("flax.") and (hasattr(x, "unbox") or hasattr(x, "get_value"))
+
+
+def _value(leaf: Any) -> Any:
+  if hasattr(leaf, "get_value"):
+    return leaf.get_value()
+  return leaf.unbox(apply_constraint=False) if hasattr(leaf, "unbox") else leaf
+
+
+def _rebox(leaf: Any, value: Any) -> Any:
+  if hasattr(leaf, "get_value"):
+    return leaf.copy(value)
+  return leaf.replace_boxed(value) if hasattr(leaf, "replace_boxed") else value
+
+
+def _nnx_state(params: Any) -> tuple[Any, Any]:
+  """``(graphdef, params state)`` of an NNX module, else ``(None, params)``."""
+  if type(params).__module__.startswith("flax.nnx"):
+    from flax import nnx
+    if isinstance(params, nnx.Module):
+      graphdef, state, rest = nnx.split(params, nnx.Param, ...)
+      return (graphdef, rest), state
+  return None, params
+
+
+def _leaves(tree: Any) -> list[tuple[list[str], Any]]:
+  flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
+  return [([q for k in path for q in _key_parts(k)], leaf) for path, leaf in flat]
+
+
+# -- to / from -------------------------------------------------------------------------------
+
+
+def _stack(per_layer: dict[str, dict[int, Any]]) -> tuple[dict[str, Any], list[str]]:
+  out, problems = {}, []
+  for name, layers in per_layer.items():
+    if sorted(layers) != list(range(len(layers))):
+      problems.append(f"{name}: layers {sorted(layers)} are not 0..{len(layers) - 1}")
+      continue
+    out[name] = jnp.stack([layers[i] for i in range(len(layers))])
+  return out, problems
+
+
+def to_canonical(params: Any) -> dict[str, jax.Array]:
+  """Flat canonical weights of a ``layers`` Transformer from any framework.
+
+  Args:
+    params: linen variables (``{'params': ...}``, boxed or not), a Haiku params dict, an
+      NNX ``Transformer`` or its ``nnx.state``.
+
+  Returns:
+    ``{canonical name: array}``, blocks stacked on a leading ``layers`` dim.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, layers, layers.linen
+    >>> cfg = layers.TransformerConfig(num_layers=3)
+    >>> v = layers.linen.Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), int))
+    >>> layers.to_canonical(v)['blocks/attn/query/kernel'].shape
+    (3, 32, 4, 8)
+  """
+  _, tree = _nnx_state(params)
+  flat, per_layer = {}, {}
+  for parts, leaf in _leaves(tree):
+    name, index = canonical_name(parts)
+    if index is None:
+      flat[name] = _value(leaf)
+    else:
+      per_layer.setdefault(name, {})[index] = _value(leaf)
+  stacked, problems = _stack(per_layer)
+  if problems:
+    raise CanonicalError(format_message(
+        "to_canonical: the unrolled blocks are not numbered 0..n-1.", bullets=problems,
+        fix="Pass the params of a layers.{linen,nnx,haiku}.Transformer."))
+  return {**flat, **stacked}
+
+
+def _target(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
+  value = _value(leaf)
+  return tuple(value.shape), value.dtype, getattr(value, "sharding", None)
+
+
+def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list[str],
+          where: str) -> Any:
+  shape, dtype, sharding = _target(leaf)
+  if name not in weights:
+    problems.append(f"{where}: no weight {name!r} in the canonical dict")
+    return _value(leaf)
+  value = weights[name] if index is None else weights[name][index]
+  if tuple(value.shape) != shape:
+    layer = "" if index is None else f" (layer {index} of {tuple(weights[name].shape)})"
+    problems.append(f"{where}: {name!r}{layer} has shape {tuple(value.shape)}, the "
+                    f"parameter has {shape}")
+    return _value(leaf)
+  value = jnp.asarray(value, dtype)
+  return value if sharding is None else jax.device_put(value, sharding)
+
+
+def from_canonical(weights: dict[str, Any], like: Any) -> Any:
+  """Canonical weights as the params of ``like``'s framework and scan setting.
+
+  Args:
+    weights: ``{canonical name: array}`` (from :func:`to_canonical`, any framework).
+    like: the params to imitate: linen variables, Haiku params, an NNX module or state.
+      Its structure, boxes/metadata, dtypes and shardings are kept (each weight is
+      ``jax.device_put`` onto the sharding of the leaf it replaces).
+
+  Returns:
+    A tree like ``like`` (for an NNX module, a new module) holding ``weights``.
+
+  Raises:
+    CanonicalError: listing every missing, unused or mis-shaped weight.
+  """
+  graph, tree = _nnx_state(like)
+  problems, used = [], set()
+
+  def one(path, leaf):
+    parts = [q for k in path for q in _key_parts(k)]
+    name, index = canonical_name(parts)
+    used.add(name)
+    return _rebox(leaf, _pick(weights, name, index, leaf, problems, "/".join(parts)))
+
+  out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+  problems += [f"{name!r} ({np.shape(weights[name])}) matches no parameter"
+               for name in sorted(set(weights) - used)]
+  if problems:
+    raise CanonicalError(format_message(
+        f"from_canonical: {len(problems)} weight(s) do not fit the target parameters.",
+        bullets=problems,
+        fix="Build `like` from the same TransformerConfig as the weights (same sizes, "
+            "num_experts and num_layers)."))
+  if graph is None:
+    return out
+  from flax import nnx
+  return nnx.merge(graph[0], out, graph[1])

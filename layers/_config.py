@@ -1,0 +1,133 @@
+"""``TransformerConfig``: the one description of a model that all three frameworks build.
+
+>>> import layers
+>>> cfg = layers.TransformerConfig(vocab_size=64, embed_dim=16, num_heads=4, num_kv_heads=2,
+...                                head_dim=4, num_layers=2)
+>>> cfg.num_heads // cfg.num_kv_heads       # query heads per kv head (GQA)
+2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from partition import PartitionError
+from partition._errors import format_message
+
+# Remat policy names -> ``jax.checkpoint`` policies. ``'none'`` means no remat at all;
+# ``'full'`` recomputes everything in the backward pass (policy ``None``).
+REMAT_POLICIES: dict[str, Any] = {
+    "none": None,
+    "full": None,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+class ConfigError(PartitionError, ValueError):
+  """A ``TransformerConfig`` field has an invalid value."""
+
+
+def remat_policy(name: str) -> Any:
+  """The ``jax.checkpoint`` policy for a remat name (``None`` = save nothing)."""
+  return REMAT_POLICIES[name]
+
+
+def _positive(cfg: TransformerConfig) -> list[str]:
+  names = ("vocab_size", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim",
+           "num_layers", "max_len")
+  return [f"{n}={getattr(cfg, n)!r} must be a positive int" for n in names
+          if not isinstance(getattr(cfg, n), int) or getattr(cfg, n) < 1]
+
+
+def _relations(cfg: TransformerConfig) -> list[str]:
+  problems = []
+  if (isinstance(cfg.num_heads, int) and isinstance(cfg.num_kv_heads, int)
+      and cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads):
+    problems.append(f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads="
+                    f"{cfg.num_kv_heads}: each kv head serves a whole group of query heads "
+                    "(use a divisor of num_heads)")
+  if not isinstance(cfg.num_experts, int) or cfg.num_experts < 0:
+    problems.append(f"num_experts={cfg.num_experts!r} must be an int >= 0 (0 = dense MLP)")
+  elif cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
+    problems.append(f"experts_per_token={cfg.experts_per_token!r} must be between 1 and "
+                    f"num_experts={cfg.num_experts}")
+  if isinstance(cfg.head_dim, int) and cfg.head_dim % 2:
+    problems.append(f"head_dim={cfg.head_dim} must be even (rotary embeddings rotate pairs)")
+  if cfg.remat not in REMAT_POLICIES:
+    problems.append(f"remat={cfg.remat!r} is not a remat policy; use one of "
+                    f"{sorted(REMAT_POLICIES)}")
+  return problems
+
+
+def _dtype(value: Any, field: str, problems: list[str]) -> Any:
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    problems.append(f"{field}={value!r} is not a dtype (use e.g. 'float32' or 'bfloat16')")
+    return value
+  if not np.issubdtype(dtype, np.floating):
+    problems.append(f"{field}={value!r} must be a floating dtype")
+  return dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """A decoder-only transformer LM, as built by ``layers.{linen,nnx,haiku}.Transformer``.
+
+  Blocks are pre-norm (RMSNorm) with grouped-query attention using rotary position
+  embeddings, and a SwiGLU MLP (or, with ``num_experts > 0``, a top-k mixture of
+  SwiGLU experts). The output projection is tied to the embedding table.
+
+  Attributes:
+    vocab_size: number of token ids (logical axis ``vocab``).
+    embed_dim: model width (``embed``).
+    mlp_dim: hidden width of the MLP and of each expert (``mlp``).
+    num_heads: query heads (``heads``).
+    num_kv_heads: key/value heads (``kv_heads``); ``num_heads`` must be a multiple.
+    head_dim: width of one head (``head_dim``), even (RoPE).
+    num_layers: number of blocks (``layers`` when scanned).
+    num_experts: experts per MoE layer (``expert``); 0 = dense MLP.
+    experts_per_token: the router's top-k.
+    max_len: longest sequence the model is meant for (positions are ``0..length-1``).
+    dtype: computation dtype; param_dtype: parameter dtype (names or numpy dtypes).
+    scan_layers: stack the blocks' params with a leading ``layers`` axis and scan.
+    remat: rematerialisation policy of each block, one of ``REMAT_POLICIES``.
+
+  Raises:
+    ConfigError: listing every invalid field and how to fix it.
+  """
+
+  vocab_size: int = 64
+  embed_dim: int = 32
+  mlp_dim: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int = 8
+  num_layers: int = 2
+  num_experts: int = 0
+  experts_per_token: int = 2
+  max_len: int = 128
+  dtype: Any = "float32"
+  param_dtype: Any = "float32"
+  scan_layers: bool = False
+  remat: str = "none"
+
+  def __post_init__(self):
+    problems = _positive(self) + _relations(self)
+    for field in ("dtype", "param_dtype"):
+      object.__setattr__(self, field, _dtype(getattr(self, field), field, problems))
+    if problems:
+      raise ConfigError(format_message(
+          f"TransformerConfig: {len(problems)} invalid field(s).", bullets=problems,
+          fix="Fix the fields listed above (dataclasses.replace(config, field=value))."))
+
+  @property
+  def policy(self) -> Any:
+    """The ``jax.checkpoint`` policy for ``remat`` (meaningless when ``remat='none'``)."""
+    return remat_policy(self.remat)

@@ -1,0 +1,277 @@
+"""The math of every layer, as pure functions on arrays (no framework).
+
+``layers.linen``, ``layers.nnx`` and ``layers.haiku`` only create parameters and call these,
+so the three frameworks compute the same thing by construction. Activations are constrained
+here, with ``partition.constrain``, at the block boundaries (a no-op without a mesh):
+
+=================  ==========================================
+activation         logical axes
+=================  ==========================================
+embeddings, block  ``('batch', 'length', 'embed')``
+queries            ``('batch', 'length', 'heads', 'head_dim')``
+keys / values      ``('batch', 'length', 'kv_heads', 'head_dim')``
+MLP hidden         ``('batch', 'length', 'mlp')``
+expert inputs      ``('batch', 'expert', None, 'embed')`` (None: capacity slots)
+expert hidden      ``('batch', 'expert', None, 'mlp')``
+logits             ``('batch', 'length', 'vocab')``
+=================  ==========================================
+
+>>> import jax.numpy as jnp
+>>> x = jnp.ones((2, 3, 4))
+>>> dense(x, jnp.ones((4, 5))).shape
+(2, 3, 5)
+>>> rms_norm(x, jnp.ones(4)).shape
+(2, 3, 4)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import einops
+import jax
+import jax.numpy as jnp
+
+import partition
+
+Array = jax.Array
+
+ACTIVATIONS: dict[str, Callable[[Array], Array]] = {
+    "silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu}
+
+EMBED = ("batch", "length", "embed")
+MLP_HIDDEN = ("batch", "length", "mlp")
+QUERY = ("batch", "length", "heads", "head_dim")
+KEY_VALUE = ("batch", "length", "kv_heads", "head_dim")
+LOGITS = ("batch", "length", "vocab")
+
+
+# -- dense, embeddings, norms --------------------------------------------------------------
+
+
+def dense(x: Array, kernel: Array, bias: Array | None = None, *, contract: int = 1,
+          dtype: Any = None) -> Array:
+  """``x``'s last ``contract`` dims times ``kernel``'s first ``contract`` dims (+ ``bias``).
+
+  Args:
+    x: ``(..., *in_dims)``.
+    kernel: ``(*in_dims, *out_dims)``.
+    bias: ``out_dims`` or ``None``.
+    contract: how many trailing dims of ``x`` are contracted.
+    dtype: computation dtype (default: ``x``'s).
+
+  Returns:
+    ``(..., *out_dims)``.
+
+  >>> dense(jnp.ones((2, 4)), jnp.ones((4, 3, 5))).shape
+  (2, 3, 5)
+  """
+  dtype = dtype or x.dtype
+  y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=contract)
+  return y if bias is None else y + bias.astype(dtype)
+
+
+def embed(tokens: Array, table: Array, *, dtype: Any = None) -> Array:
+  """Embedding lookup: ``tokens (...)`` ints, ``table (vocab, embed)`` -> ``(..., embed)``.
+
+  >>> embed(jnp.array([[0, 2]]), jnp.eye(3)).tolist()
+  [[[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]]
+  """
+  return jnp.take(table, tokens, axis=0).astype(dtype or table.dtype)
+
+
+def attend(x: Array, table: Array, *, dtype: Any = None) -> Array:
+  """Tied output projection: ``x (..., embed)`` against ``table (vocab, embed)``.
+
+  >>> attend(jnp.ones((2, 3)), jnp.ones((5, 3))).shape
+  (2, 5)
+  """
+  dtype = dtype or x.dtype
+  return jnp.einsum("...e,ve->...v", x.astype(dtype), table.astype(dtype))
+
+
+def rms_norm(x: Array, scale: Array, *, eps: float = 1e-6) -> Array:
+  """``x / sqrt(mean(x**2) + eps) * scale`` over the last dim (statistics in fp32).
+
+  >>> [round(v, 4) for v in rms_norm(jnp.array([3.0, 4.0]), jnp.ones(2), eps=0.0).tolist()]
+  [0.8485, 1.1314]
+  """
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def layer_norm(x: Array, scale: Array, bias: Array, *, eps: float = 1e-6) -> Array:
+  """``(x - mean) / sqrt(var + eps) * scale + bias`` over the last dim (fp32 statistics).
+
+  >>> layer_norm(jnp.array([1.0, 3.0]), jnp.ones(2), jnp.zeros(2), eps=0.0).tolist()
+  [-1.0, 1.0]
+  """
+  x32 = x.astype(jnp.float32)
+  mean = jnp.mean(x32, axis=-1, keepdims=True)
+  var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+  y = (x32 - mean) * jax.lax.rsqrt(var + eps)
+  return (y * scale.astype(jnp.float32) + bias.astype(jnp.float32)).astype(x.dtype)
+
+
+# -- MLP -------------------------------------------------------------------------------------
+
+
+def glu(gate: Array, up: Array, *, activation: str = "silu") -> Array:
+  """Gated hidden ``act(gate) * up`` (``(batch, length, mlp)``), constrained.
+
+  >>> glu(jnp.zeros((1, 1, 2)), jnp.ones((1, 1, 2))).tolist()
+  [[[0.0, 0.0]]]
+  """
+  return partition.constrain(ACTIVATIONS[activation](gate) * up, MLP_HIDDEN)
+
+
+def gated_mlp(x: Array, wi_gate: Array, wi_up: Array, wo: Array, *,
+              activation: str = "silu", dtype: Any = None) -> Array:
+  """Gated MLP: ``(act(x @ wi_gate) * (x @ wi_up)) @ wo`` (SwiGLU for silu, GeGLU for gelu).
+
+  Args:
+    x: ``(batch, length, embed)``.
+    wi_gate, wi_up: ``(embed, mlp)``.
+    wo: ``(mlp, embed)``.
+    activation: a key of ``ACTIVATIONS``.
+
+  Returns:
+    ``(batch, length, embed)``; the hidden ``(batch, length, mlp)`` is constrained.
+
+  >>> gated_mlp(jnp.ones((1, 2, 4)), jnp.ones((4, 8)), jnp.ones((4, 8)),
+  ...           jnp.ones((8, 4))).shape
+  (1, 2, 4)
+  """
+  h = glu(dense(x, wi_gate, dtype=dtype), dense(x, wi_up, dtype=dtype), activation=activation)
+  return partition.constrain(dense(h, wo, dtype=dtype), EMBED)
+
+
+# -- attention -------------------------------------------------------------------------------
+
+
+def causal_mask(length: int) -> Array:
+  """``(1, 1, length, length)`` bool: query ``i`` sees keys ``j <= i``.
+
+  >>> causal_mask(2)[0, 0].tolist()
+  [[True, False], [True, True]]
+  """
+  return jnp.tril(jnp.ones((length, length), bool))[None, None]
+
+
+def padding_mask(valid: Array) -> Array:
+  """``valid (batch, length)`` bool -> ``(batch, 1, length, length)``: both ends valid."""
+  return (valid[:, None, :, None] & valid[:, None, None, :]).astype(bool)
+
+
+def rope(x: Array, positions: Array, *, theta: float = 10_000.0) -> Array:
+  """Rotary position embedding of ``x (batch, length, heads, head_dim)``.
+
+  Dim ``i`` of the first half and dim ``i`` of the second half form a pair rotated by angle
+  ``position * theta ** (-2i / head_dim)``; ``positions`` is ``(batch, length)``.
+
+  >>> q = jnp.ones((1, 3, 2, 4))
+  >>> bool(jnp.allclose(rope(q, jnp.zeros((1, 3), int)), q))   # position 0: identity
+  True
+  """
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
+  angle = positions.astype(jnp.float32)[..., None, None] * freq       # (b, l, 1, half)
+  sin, cos = jnp.sin(angle), jnp.cos(angle)
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
+  """Softmax attention with grouped-query heads.
+
+  Args:
+    q: ``(batch, q_length, heads, head_dim)``.
+    k, v: ``(batch, kv_length, kv_heads, head_dim)``; ``heads`` a multiple of ``kv_heads``
+      (query head ``h`` uses kv head ``h // (heads // kv_heads)``).
+    mask: bool, broadcastable to ``(batch, heads, q_length, kv_length)``; True = attend.
+
+  Returns:
+    ``(batch, q_length, heads, head_dim)``.
+  """
+  groups = q.shape[2] // k.shape[2]
+  q = einops.rearrange(q, "b l (k g) d -> b l k g d", g=groups) / jnp.sqrt(
+      q.shape[-1]).astype(q.dtype)
+  logits = jnp.einsum("blkgd,bskd->bkgls", q, k)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[2] * groups, *logits.shape[-2:]))
+    mask = einops.rearrange(mask, "b (k g) l s -> b k g l s", g=groups)
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgls,bskd->blkgd", weights, v)
+  return einops.rearrange(out, "b l k g d -> b l (k g) d")
+
+
+def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
+                   positions: Array | None = None, use_rope: bool = True) -> Array:
+  """Attention on projected heads: constrain, optional RoPE, softmax attention.
+
+  Args:
+    q: ``(batch, length, heads, head_dim)``; k, v: ``(batch, length, kv_heads, head_dim)``.
+    mask: bool, broadcastable to ``(batch, heads, length, length)``.
+    positions: ``(batch, length)`` ints for RoPE (default ``0..length-1``).
+    use_rope: rotate queries and keys.
+
+  Returns:
+    ``(batch, length, heads, head_dim)``.
+  """
+  q = partition.constrain(q, QUERY)
+  k, v = partition.constrain(k, KEY_VALUE), partition.constrain(v, KEY_VALUE)
+  if use_rope:
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+    q, k = rope(q, positions), rope(k, positions)
+  return dot_product_attention(q, k, v, mask)
+
+
+def attention(x: Array, wq: Array, wk: Array, wv: Array, wo: Array, *,
+              mask: Array | None = None, positions: Array | None = None,
+              use_rope: bool = True, dtype: Any = None) -> Array:
+  """Self-attention: projections, :func:`attention_core`, output projection.
+
+  Args:
+    x: ``(batch, length, embed)``.
+    wq: ``(embed, heads, head_dim)``; wk, wv: ``(embed, kv_heads, head_dim)``.
+    wo: ``(heads, head_dim, embed)``.
+    mask, positions, use_rope: as for :func:`attention_core`.
+
+  Returns:
+    ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``.
+
+  >>> x = jnp.ones((1, 3, 4))
+  >>> attention(x, jnp.ones((4, 2, 2)), jnp.ones((4, 1, 2)), jnp.ones((4, 1, 2)),
+  ...           jnp.ones((2, 2, 4)), mask=causal_mask(3)).shape
+  (1, 3, 4)
+  """
+  out = attention_core(dense(x, wq, dtype=dtype), dense(x, wk, dtype=dtype),
+                       dense(x, wv, dtype=dtype), mask=mask, positions=positions,
+                       use_rope=use_rope)
+  return partition.constrain(dense(out, wo, contract=2, dtype=dtype), EMBED)
+
+
+# -- model-level helpers ---------------------------------------------------------------------
+
+
+def decoder_mask(tokens: Array, valid: Array | None = None) -> Array:
+  """Causal mask, and-ed with a padding mask when ``valid (batch, length)`` is given."""
+  mask = causal_mask(tokens.shape[1])
+  return mask if valid is None else mask & padding_mask(valid)
+
+
+def merge_aux(aux: dict[str, Array]) -> dict[str, Array]:
+  """Per-layer aux outputs stacked on a leading dim -> model totals (mean loss, sum drops)."""
+  return {"load_balance_loss": jnp.mean(aux["load_balance_loss"]),
+          "dropped_tokens": jnp.sum(aux["dropped_tokens"])}
+
+
+def no_aux() -> dict[str, Array]:
+  """The auxiliary outputs of a dense block (zeros), same structure as an MoE block's."""
+  return {"load_balance_loss": jnp.zeros((), jnp.float32),
+          "dropped_tokens": jnp.zeros((), jnp.int32)}

@@ -1,0 +1,128 @@
+"""Mixture of experts: a top-k router with a capacity per expert, as pure functions.
+
+Tokens are routed within their own sequence (one routing group per batch row, as in
+GShard), so the batch axis stays sharded and each expert takes at most
+
+    capacity = ceil(capacity_factor * length * k / num_experts)
+
+tokens of a sequence. Slots are filled choice-major (every token's first choice before any
+second choice) and in token order within a choice; assignments past the capacity are
+dropped and counted. The load-balancing loss is Switch Transformer's, generalised to top-k:
+``num_experts * sum_e fraction_routed_e * mean_probability_e`` (1.0 when balanced).
+
+>>> import jax, jax.numpy as jnp
+>>> x = jnp.ones((1, 4, 8))
+>>> w = lambda *s: jnp.full(s, 0.1)
+>>> y, aux = moe(x, w(8, 4), w(4, 8, 16), w(4, 8, 16), w(4, 16, 8), k=2,
+...              capacity_factor=2.0)
+>>> y.shape, int(aux['dropped_tokens'])
+((1, 4, 8), 0)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import einops
+import jax
+import jax.numpy as jnp
+
+import partition
+from layers._core import ACTIVATIONS, EMBED, dense
+
+Array = jax.Array
+
+EXPERT_IN = ("batch", "expert", None, "embed")
+EXPERT_HIDDEN = ("batch", "expert", None, "mlp")
+
+
+class Routing(NamedTuple):
+  """Routing of ``(batch, length)`` tokens to ``(expert, capacity)`` slots.
+
+  Attributes:
+    dispatch: ``(batch, length, expert, capacity)`` 0/1: token goes to this slot.
+    combine: same shape: the token's gate weight for that slot (0 where dropped).
+    load_balance_loss: scalar, Switch-style auxiliary loss.
+    dropped_tokens: scalar int, token-expert assignments past capacity.
+  """
+
+  dispatch: Array
+  combine: Array
+  load_balance_loss: Array
+  dropped_tokens: Array
+
+
+def capacity(length: int, num_experts: int, k: int, capacity_factor: float) -> int:
+  """Slots per expert and sequence: ``ceil(capacity_factor * length * k / num_experts)``.
+
+  >>> capacity(8, 4, 2, 1.0)
+  4
+  """
+  return max(1, math.ceil(capacity_factor * length * k / num_experts))
+
+
+def route(logits: Array, *, k: int, capacity_factor: float) -> Routing:
+  """Top-``k`` routing of router ``logits (batch, length, expert)`` with a capacity.
+
+  Gates are the top-``k`` softmax probabilities renormalised to sum to one per token.
+  """
+  _, length, num_experts = logits.shape
+  slots = capacity(length, num_experts, k, capacity_factor)
+  probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  top_p, top_i = jax.lax.top_k(probs, k)                                # (b, l, k)
+  gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+  chosen = jax.nn.one_hot(top_i, num_experts, dtype=jnp.int32)         # (b, l, k, e)
+  # Queue position of each assignment at its expert: choice-major, then token order.
+  order = einops.rearrange(chosen, "b l k e -> b (k l) e")
+  position = einops.rearrange(jnp.cumsum(order, axis=1) - 1, "b (k l) e -> b l k e", k=k)
+  kept = chosen * (position < slots)
+  slot = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept[..., None]
+  dispatch = jnp.sum(slot, axis=2)                                      # (b, l, e, c)
+  combine = jnp.einsum("blkec,blk->blec", slot, gates)
+  fraction = jnp.mean(jnp.sum(chosen, axis=2), axis=(0, 1)) / k         # (e,)
+  balance = num_experts * jnp.sum(fraction * jnp.mean(probs, axis=(0, 1)))
+  dropped = jnp.sum(chosen) - jnp.sum(kept)
+  return Routing(dispatch, combine, balance, dropped.astype(jnp.int32))
+
+
+def experts(xe: Array, wi_gate: Array, wi_up: Array, wo: Array, *,
+            activation: str = "silu", dtype: Any = None) -> Array:
+  """Each expert's gated MLP on its slots: ``xe (batch, expert, capacity, embed)``.
+
+  ``wi_gate``, ``wi_up``: ``(expert, embed, mlp)``; ``wo``: ``(expert, mlp, embed)``.
+  """
+  dtype = dtype or xe.dtype
+  act = ACTIVATIONS[activation]
+  up = lambda w: jnp.einsum("becd,edm->becm", xe.astype(dtype), w.astype(dtype))
+  h = partition.constrain(act(up(wi_gate)) * up(wi_up), EXPERT_HIDDEN)
+  return jnp.einsum("becm,emd->becd", h, wo.astype(dtype))
+
+
+def moe(x: Array, router: Array, wi_gate: Array, wi_up: Array, wo: Array, *, k: int,
+        capacity_factor: float = 1.25, activation: str = "silu",
+        dtype: Any = None) -> tuple[Array, dict[str, Array]]:
+  """Mixture-of-experts MLP.
+
+  Args:
+    x: ``(batch, length, embed)``.
+    router: ``(embed, expert)`` router kernel.
+    wi_gate, wi_up: ``(expert, embed, mlp)``; wo: ``(expert, mlp, embed)``.
+    k: experts per token.
+    capacity_factor: slots per expert relative to a perfectly balanced load.
+    activation: gate activation (``'silu'`` = SwiGLU experts).
+
+  Returns:
+    ``(y, aux)``: ``y (batch, length, embed)`` constrained to ``('batch', 'length',
+    'embed')``; ``aux`` has ``load_balance_loss`` and ``dropped_tokens`` scalars.
+  """
+  dtype = dtype or x.dtype
+  routing = route(dense(x, router, dtype=jnp.float32), k=k,
+                  capacity_factor=capacity_factor)
+  xe = jnp.einsum("blec,bld->becd", routing.dispatch.astype(dtype), x.astype(dtype))
+  xe = partition.constrain(xe, EXPERT_IN)
+  ye = experts(xe, wi_gate, wi_up, wo, activation=activation, dtype=dtype)
+  y = jnp.einsum("blec,becd->bld", routing.combine.astype(dtype), ye)
+  aux = {"load_balance_loss": routing.load_balance_loss,
+         "dropped_tokens": routing.dropped_tokens}
+  return partition.constrain(y, EMBED), aux
