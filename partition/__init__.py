@@ -7,13 +7,19 @@ from partition._errors import AxisNameError as AxisNameError
 from partition._errors import AxisSizeError as AxisSizeError
 from partition._errors import LoopCollectiveError as LoopCollectiveError
 from partition._errors import MeshError as MeshError
+from partition._errors import NegativeDimError as NegativeDimError
 from partition._errors import OutputAxesError as OutputAxesError
 from partition._errors import PartitionError as PartitionError
 from partition._errors import ResourceError as ResourceError
 from partition._errors import SpecError as SpecError
 from partition._specs import Mean as Mean
 from partition._specs import Sum as Sum
+from partition._specs import Logical as Logical
 from partition._xmap import xmap as xmap
+
+# --- training through xmap (issue 7) ---
+from partition._grad import GradSpecError as GradSpecError
+from partition._grad import value_and_grad as value_and_grad
 
 # --- rules engine (issue 3) ---
 from partition._config import ConfigError as ConfigError
@@ -39,3 +45,6 @@ from partition._path_rules import PathRules as PathRules
 from partition._path_rules import PathRulesError as PathRulesError
 from partition._audit import PlacementError as PlacementError
 from partition._audit import ReplicatedWarning as ReplicatedWarning
+from partition._optim import OptimizerStateError as OptimizerStateError
+from partition._optim import optimizer_axes as optimizer_axes
+from partition._optim import optimizer_init as optimizer_init

@@ -18,6 +18,10 @@ class SpecError(PartitionError, TypeError):
   """An ``in_axes``/``out_axes`` leaf is not a valid axis specification."""
 
 
+class NegativeDimError(SpecError, ValueError):
+  """A spec names a negative dim (ambiguous for named axes): a ValueError, as in xmap."""
+
+
 class AxisNameError(PartitionError, ValueError):
   """An axis name is duplicated, undefined, shadowed or otherwise misused."""
 
@@ -40,6 +44,13 @@ class OutputAxesError(PartitionError, ValueError):
 
 class MeshError(PartitionError, ValueError):
   """No usable mesh, or a mesh that does not match what was asked for."""
+
+
+def did_you_mean(word: str, options: Iterable[str]) -> str:
+  """`` Did you mean 'x'?`` for the closest option, or ``''``."""
+  import difflib
+  close = difflib.get_close_matches(word, [o for o in options if isinstance(o, str)], n=1)
+  return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def fun_name(fun) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from partition._errors import OutputAxesError, format_message
 from partition._plan import Label, Level, Plan
@@ -40,7 +41,13 @@ def reduced_dtype(dtype):
 class Tracer:
   """State of one trace: the plan, the user function, and what it returned."""
 
-  def __init__(self, plan: Plan, fun: Callable, fun_name: str, in_treedef: Any, out_axes: Any):
+  def __init__(self, plan: Plan, fun: Callable, fun_name: str, in_treedef: Any, out_axes: Any,
+               state_outputs: Callable | None = None, constrain: Callable | None = None):
+    # state_outputs(spec, per-example shape, keypath) -> stated positional entries or None;
+    # constrain(x, PartitionSpec) applies a sharding constraint (None: no mesh).
+    self.state_outputs = state_outputs
+    self.constrain = constrain
+    self.out_stated: list[Any] = []
     self.plan = plan
     self.fun = fun
     self.fun_name = fun_name
@@ -66,6 +73,8 @@ class Tracer:
     self.out_structs = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves]
     errors = []
     for spec, path, x in zip(specs, paths, leaves):
+      self.out_stated.append(self.state_outputs(placed(spec), x.shape, path)
+                             if self.state_outputs else None)
       labels, error = self._final_labels(placed(spec), x.ndim)
       self.final_labels.append(labels)
       if error:
@@ -177,8 +186,9 @@ class Tracer:
     xs = [jnp.moveaxis(a, w, 0) for a, w in zip(args, where) if w is not None]
     n_out = len(self.out_specs)
     modes = [self.mode(j, level)[0] for j in range(n_out)]
-    init = [jnp.zeros(s.shape, s.dtype) for j, s in
-            ((j, self.struct_after(j, k + 1)) for j in range(n_out)) if modes[j] != "map"]
+    carried = [j for j in range(n_out) if modes[j] != "map"]
+    init = [self._place_carry(j, k, jnp.zeros(s.shape, s.dtype)) for j, s in
+            ((j, self.struct_after(j, k + 1)) for j in carried)]
 
     def body(carry, x_slices):
       it = iter(x_slices)
@@ -186,16 +196,28 @@ class Tracer:
       outs = self.run(k + 1, step_args, inner)
       new_carry, ys = [], []
       c = iter(carry)
-      for v, mode in zip(outs, modes):
+      for j, (v, mode) in enumerate(zip(outs, modes)):
         if mode == "map":
           ys.append(v)
         else:
           prev = next(c)
-          new_carry.append((prev + v if mode == "reduce" else v).astype(prev.dtype))
+          new = (prev + v if mode == "reduce" else v).astype(prev.dtype)
+          new_carry.append(self._place_carry(j, k, new))
       return new_carry, ys
 
     carry, ys = lax.scan(body, init, xs, length=level.size)
     return self._assemble(k, level, iter(ys), iter(carry))
+
+  def _place_carry(self, j: int, k: int, x):
+    """Keeps a loop carry where its output is stated to live (e.g. a gradient accumulator
+    sharded like its parameter), so XLA reduce-scatters into it instead of replicating.
+    Only carries made of positional dims alone are constrained."""
+    stated = self.out_stated[j] if self.out_stated else None
+    if stated is None or self.constrain is None:
+      return x
+    if any(lab[0] is not None for lab in self.labels_after(j, k + 1)):
+      return x
+    return self.constrain(x, PartitionSpec(*stated))
 
   def _assemble(self, k, level, mapped, unmapped):
     outs = []

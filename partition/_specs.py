@@ -9,6 +9,15 @@ A spec leaf is one of
 * in ``out_axes`` only: ``Sum(*names, axes=spec)`` / ``Mean(*names, axes=spec)``, which
   reduce the output over ``names`` and place the remaining named axes as ``axes`` says.
 
+Named dims are the *mapped* ones. The other (positional) dims keep the sharding their data
+has, unless a leaf states it:
+
+* a ``PartitionSpec`` leaf, e.g. ``P('fsdp', 'tensor')``: no named dims, the positional dims
+  sharded over those mesh axes (trailing dims replicated, as in a ``PartitionSpec``);
+* ``Logical('embed', 'mlp')``: the same, with logical axes resolved through the rules
+  (``axis_resources=rules`` or ``partition.axis_rules``); ``Logical(..., named=['batch', ...])``
+  adds named dims, and the logical names then describe the remaining positional dims.
+
 Specs form a pytree *prefix* of the arguments (or outputs): one spec applies to every array
 of the subtree it stands for. This module is pure Python; nothing here traces.
 """
@@ -20,8 +29,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
-from partition._errors import AxisNameError, SpecError, format_message
+from partition._errors import AxisNameError, NegativeDimError, SpecError, format_message
 
 AxisName = str
 
@@ -34,6 +44,9 @@ class AxisSpec:
   dims: tuple[int, ...]
   rank: int | None  # asserted rank, or None for "any rank"
   user_repr: str
+  # Stated sharding of the positional dims, in order: a PartitionSpec (mesh axes) or a
+  # Logical (logical names); None = keep the data's sharding / leave it to propagation.
+  sharding: PartitionSpec | Logical | None = None
 
   def dim_of(self, name: AxisName) -> int | None:
     return self.dims[self.names.index(name)] if name in self.names else None
@@ -43,6 +56,56 @@ class AxisSpec:
 
 
 UNMAPPED = AxisSpec((), (), None, "{}")
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class Logical:
+  """A spec leaf stating the logical axes of the positional (unnamed) dims of a value.
+
+  The names resolve through the rules in use (``axis_resources=rules`` or the
+  ``partition.axis_rules`` context), like ``partition.constrain``; fewer names than dims
+  leave the trailing dims replicated, as a ``PartitionSpec`` would. ``named`` is an ordinary
+  spec (dict or list) for the named dims of the same value.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import partition
+    >>> from jax.sharding import PartitionSpec as P
+    >>> rules = partition.AxisRules([('batch', 'data'), ('embed', 'model')])
+    >>> mesh = jax.make_mesh((4, 2), ('data', 'model'))
+    >>> f = partition.xmap(lambda w, x: w * x,
+    ...                    in_axes=(partition.Logical('embed'), ['batch', ...]),
+    ...                    out_axes=partition.Logical('embed', named=['batch', ...]),
+    ...                    axis_resources=rules, mesh=mesh)
+    >>> f(jnp.ones(6), jnp.ones((8, 6))).sharding.spec
+    P('data', 'model')
+  """
+
+  names: tuple[str | None, ...]
+  named: Any
+
+  def __init__(self, *names: str | None, named: Any = None):
+    bad = [n for n in names if n is not None and not isinstance(n, str)]
+    if bad or (len(names) == 1 and isinstance(names[0], (list, tuple))):
+      raise SpecError(format_message(
+          f"Logical{names!r}: takes logical axis names (str or None) as separate arguments, "
+          f"got {(bad or names)[0]!r}.",
+          fix="Write partition.Logical('embed', 'mlp'), not Logical(('embed', 'mlp'))."))
+    object.__setattr__(self, "names", tuple(names))
+    object.__setattr__(self, "named", named)
+
+  def __repr__(self) -> str:
+    args = ", ".join(repr(n) for n in self.names)
+    if self.named is not None:
+      args += (", " if args else "") + f"named={self.named!r}"
+    return f"Logical({args})"
+
+  def __hash__(self):
+    return hash((self.names, repr(self.named)))
+
+  def __eq__(self, other):
+    return isinstance(other, Logical) and (self.names, repr(self.named)) == (
+        other.names, repr(other.named))
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -126,7 +189,7 @@ def _is_name(x: Any) -> bool:
 
 def is_spec_leaf(x: Any) -> bool:
   """Whether ``x`` is a spec leaf rather than a pytree node of specs."""
-  if x is None or isinstance(x, Reduction):
+  if x is None or isinstance(x, (Reduction, Logical, PartitionSpec)):
     return True
   if isinstance(x, Mapping):
     return all(isinstance(k, int) and not isinstance(k, bool) for k in x)
@@ -151,11 +214,19 @@ def parse_leaf(entry: Any, arg_name: str, where: str = "") -> AxisSpec:
   at = f"{arg_name}{where}"
   if entry is None:
     return UNMAPPED
+  if isinstance(entry, PartitionSpec):
+    return dataclasses.replace(UNMAPPED, user_repr=repr(entry), sharding=entry)
+  if isinstance(entry, Logical):
+    if isinstance(entry.named, (Logical, PartitionSpec, Reduction)):
+      raise SpecError(f"xmap {at} = {entry!r}: named= takes a dict or list spec of named "
+                      f"dims, got {entry.named!r}.")
+    inner = parse_leaf(entry.named, arg_name, where)
+    return dataclasses.replace(inner, user_repr=repr(entry), sharding=entry)
   if isinstance(entry, Mapping) and is_spec_leaf(entry):
     items = sorted(entry.items())
     for dim, name in items:
       if dim < 0:
-        raise SpecError(format_message(
+        raise NegativeDimError(format_message(
             f"xmap {at} = {entry!r} uses the negative dim {dim}.",
             fix="Negative dims are ambiguous for named axes; count dims from 0."))
       if not _is_name(name):

@@ -27,9 +27,11 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,12 +39,15 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition import _mesh
+from partition import _mesh, _placement
 from partition._errors import (
   AxisNameError,
+  AxisSizeError,
   LoopCollectiveError,
   MeshError,
+  ResourceError,
   SpecError,
+  did_you_mean,
   format_message,
   fun_name,
 )
@@ -58,8 +63,10 @@ from partition._program import Tracer, merge_outputs, split_inputs
 from partition._resources import named_loops
 from partition._specs import (
   AxisSpec,
+  Logical,
   canonical_in_axes,
   flatten_specs,
+  is_spec_leaf,
   parse_specs,
   placed,
   spec_names,
@@ -116,15 +123,23 @@ class XMapped:
                       "must return something.")
     self._in_axes = canonical_in_axes(in_axes)
     self._out_axes = out_axes
-    self._axis_sizes = dict(axis_sizes or {})
+    self._axis_sizes = _check_axis_sizes(axis_sizes, self._name)
     self._axis_resources = axis_resources
-    self._donate = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+    self._donate = _check_donate(donate_argnums, self._name)
     self._mesh = mesh
     # Everything that depends on in_axes/out_axes alone is read once, here.
-    self._in_names = _defined_names(self._in_axes, self._axis_sizes)
+    in_specs = parse_specs(self._in_axes, "in_axes")
+    self._in_names = _defined_names(in_specs, self._axis_sizes)
     self._out_specs = parse_specs(out_axes, "out_axes")
     self._out_names = {n for spec in self._out_specs for n in spec_names(spec)}
-    self._cache: dict[Any, Any] = {}
+    self._uses_logical = any(isinstance(placed(s).sharding, Logical)
+                             for s in in_specs + self._out_specs)
+    # Equal xmaps (same function, specs and resources) share compiled programs, so a fresh
+    # xmap(...) per step of a training loop does not re-trace.
+    self._cache = _shared_cache(
+        (fun, _specs_key(self._in_axes, in_specs), _specs_key(out_axes, self._out_specs),
+         tuple(sorted(self._axis_sizes.items())), _resources_key(axis_resources),
+         self._donate, mesh))
     # updated=(): copying fun.__dict__ would clobber our state when fun is itself an XMapped.
     functools.update_wrapper(self, fun, updated=())
 
@@ -132,7 +147,10 @@ class XMapped:
     return (f"xmap({self._name}, in_axes={self._in_axes!r}, out_axes={self._out_axes!r}, "
             f"axis_resources={self._axis_resources!r})")
 
-  def __call__(self, *args):
+  def __call__(self, *args, **kwargs):
+    if kwargs:
+      raise SpecError(f"xmap({self._name}) takes positional arguments only (in_axes describes "
+                      f"them by position), got keywords {sorted(kwargs)}; pass them in order.")
     jitted, targets = self._prepare(args)
     return jitted(*_place(args, targets))
 
@@ -147,14 +165,25 @@ class XMapped:
     # Hot path: one C++ flatten and a dict lookup; specs are re-read only on a miss.
     leaves, treedef = jax.tree_util.tree_flatten(args)
     mesh = _mesh.current_mesh(self._mesh)
-    key = (treedef, tuple(_shape_dtype(x) for x in leaves), mesh, _loops_key())
+    rules = self._rules()
+    key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
     hit = self._cache.get(key)
     if hit is None:
+      _check_call(leaves, len(args), self._donate, self._name)
       leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
       plan = self._plan(leaves, specs, paths, mesh)
-      hit = self._cache[key] = self._compile(plan, treedef, specs)
+      hit = self._cache[key] = self._compile(plan, treedef, leaves, specs, paths, rules)
     return hit
 
+  def _rules(self):
+    """The rules that resolve ``Logical`` leaves: axis_resources if it is a table, else the
+    ``partition.axis_rules`` context (only looked up when some leaf is ``Logical``)."""
+    if hasattr(self._axis_resources, "xmap_resources"):
+      return self._axis_resources
+    if not self._uses_logical:
+      return None
+    from partition._context import current_rules
+    return current_rules()
   def _plan(self, leaves, specs, paths, mesh) -> Plan:
     names = self._in_names
     undefined = sorted(self._out_names - set(names))
@@ -172,56 +201,80 @@ class XMapped:
     order = _level_order(out_specs, leaves, specs, names)
     return build_plan({n: axes[n] for n in order}, mesh)
 
-  def _compile(self, plan: Plan, in_treedef, specs):
+  def _compile(self, plan: Plan, in_treedef, leaves, specs, paths, rules):
     mesh = plan.mesh
-    has_mesh = bool(plan.mesh_axes)  # _plan checked that a mesh exists then
-    in_shardings = tuple(_sharding(plan, s, mesh) for s in specs) if has_mesh else None
+    has_mesh = bool(plan.mesh_axes) or any(s.sharding is not None for s in specs)
+    name = self._name
+    stated = [_placement.stated_entries(plan, s, _positional_shape(x, s), rules,
+                                        f"in_axes for argument{p}", name)
+              for x, s, p in zip(leaves, specs, paths)] if has_mesh else [None] * len(specs)
+    in_shardings = (tuple(_in_sharding(plan, x, s, st) for x, s, st in zip(leaves, specs, stated))
+                    if has_mesh else None)
 
     # On a mesh with Explicit axes the body runs with all of them Auto (see program); nested
     # xmaps then find them Auto already and need no region of their own.
     explicit = (sorted(_mesh.explicit_axes(mesh))
-                if _mesh.explicit_axes(mesh) & plan.mesh_axes else [])
+                if has_mesh and _mesh.explicit_axes(mesh) else [])
 
-    def traced(leaves):
-      _check_not_shadowing(plan, self._name)
-      tracer = Tracer(plan, self._fun, self._name, in_treedef, self._out_axes)
-      if explicit:  # inside the Auto region: re-apply the input placement as constraints
-        leaves = [jax.lax.with_sharding_constraint(x, _pspec(plan, s))
-                  for x, s in zip(leaves, specs)]
+    def state_outputs(spec, shape, path):
+      if not has_mesh and spec.sharding is not None:
+        raise MeshError(f"xmap({name}): out_axes for output{path} states the sharding "
+                        f"{spec.user_repr}, but there is no mesh. Pass mesh= or use "
+                        "jax.set_mesh(mesh).")
+      return _placement.stated_entries(plan, spec, shape, rules, f"out_axes for output{path}",
+                                       name) if has_mesh else None
+
+    def traced(leaves, in_region, typed=None):
+      _check_not_shadowing(plan, name)
+      constrain = _constrainer(mesh)
+      tracer = Tracer(plan, self._fun, name, in_treedef, self._out_axes, state_outputs,
+                      constrain if has_mesh else None)
+      if has_mesh:
+        typed = typed or [None] * len(leaves)
+        leaves = [_constrain_input(plan, x, s, st, t, constrain)
+                  for x, s, st, t in zip(leaves, specs, stated, typed)]
       split, labels = split_inputs(plan, leaves, specs)
       try:
         with _tracing(plan):
           outs = tracer.run(0, split, labels)
       except NameError as e:
-        raise _loop_collective_error(e, plan, self._name) from None
+        raise _unbound_name_error(e, plan, name, self._in_names) from None
+      except AssertionError as e:
+        error = _collective_assertion(e, name)
+        if error is e:
+          raise
+        raise error from e
       outs = merge_outputs(tracer, outs)
-      out_specs = [_pspec(plan, placed(s)) for s in tracer.out_specs]
-      if has_mesh:  # inside an Auto region, a bare spec refers to the context mesh
-        outs = [jax.lax.with_sharding_constraint(x, spec if explicit else NamedSharding(mesh, spec))
-                for x, spec in zip(outs, out_specs)]
+      out_specs = [_placement.full_spec(plan, placed(s), x.ndim, st)
+                   for s, st, x in zip(tracer.out_specs, tracer.out_stated, outs)]
+      if has_mesh and not in_region:
+        outs = [x if _placement.is_trivial(sp) else constrain(x, sp)
+                for x, sp in zip(outs, out_specs)]
       return outs, out_specs, tracer.out_treedef
 
     def program(*args):
       leaves = jax.tree_util.tree_leaves(args)
       now_explicit = _still_explicit(mesh, explicit)
       if not now_explicit:
-        outs, _, treedef = traced(leaves)
+        outs, _, treedef = traced(leaves, in_region=False)
       else:
         # Explicit mesh axes: run the body with those axes made Auto (like
         # jax.sharding.auto_axes, whose out_sharding we only know after tracing), so that
         # vmap(spmd_axis_name=) places intermediates and collectives lower as on Auto meshes;
-        # then hand the outputs back with Explicit types.
+        # then hand the outputs back with Explicit types. reshard to P() only drops the
+        # types: _constrain_input re-states the placement, and XLA moves no data.
         base = _context_or(mesh)
         auto = base.update_axis_types({a: jax.sharding.AxisType.Auto for a in now_explicit})
+        typed = [jax.typeof(x).sharding.spec for x in leaves]
         with jax.sharding.use_abstract_mesh(auto):
           leaves = jax.sharding.reshard(leaves, [PartitionSpec()] * len(leaves))
           try:
-            outs, out_specs, treedef = traced(leaves)
+            outs, out_specs, treedef = traced(leaves, in_region=True, typed=typed)
           except ValueError as e:
             if "should match the aval mesh" not in str(e):
               raise
-            raise _explicit_closure_error(self._name, mesh) from e
-        outs = [jax.sharding.reshard(x, NamedSharding(mesh, spec))
+            raise _explicit_closure_error(name, mesh) from e
+        outs = [jax.sharding.reshard(x, NamedSharding(mesh, _placement.concrete(spec)))
                 for x, spec in zip(outs, out_specs)]
       return jax.tree_util.tree_unflatten(treedef, outs)
 
@@ -230,6 +283,83 @@ class XMapped:
         in_treedef, list(in_shardings))
     jitted = jax.jit(program, in_shardings=flat_in, donate_argnums=self._donate)
     return jitted, in_shardings
+
+
+_SHARED_CACHES: collections.OrderedDict[Any, dict] = collections.OrderedDict()
+_SHARED_CACHE_SIZE = 256
+
+
+def _shared_cache(key) -> dict:
+  try:
+    cache = _SHARED_CACHES.pop(key)
+  except TypeError:  # something unhashable in the configuration: no sharing
+    return {}
+  except KeyError:
+    cache = {}
+  _SHARED_CACHES[key] = cache
+  while len(_SHARED_CACHES) > _SHARED_CACHE_SIZE:
+    _SHARED_CACHES.popitem(last=False)
+  return cache
+
+
+def _specs_key(raw: Any, parsed: Sequence[Any]) -> Any:
+  return jax.tree_util.tree_structure(raw, is_leaf=is_spec_leaf), tuple(parsed)
+
+
+def _resources_key(resources: Any) -> Any:
+  if not isinstance(resources, Mapping):
+    return resources
+  return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in resources.items())
+
+
+def _check_axis_sizes(axis_sizes: Any, name: str) -> dict[str, int]:
+  if axis_sizes is None:
+    return {}
+  if not isinstance(axis_sizes, Mapping):
+    raise AxisSizeError(f"xmap({name}): axis_sizes must be a dict {{axis name: size}}, got "
+                        f"{axis_sizes!r}; e.g. axis_sizes={{'batch': 8}}.")
+  problems = []
+  for axis, size in axis_sizes.items():
+    if not isinstance(axis, str):
+      problems.append(f"key {axis!r} is not an axis name (str)")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+      problems.append(f"axis_sizes[{axis!r}] must be a non-negative int, got {size!r}")
+    elif size >= 2**31:
+      problems.append(f"axis_sizes[{axis!r}] = {size} does not fit JAX's int32 dims")
+  if problems:
+    raise AxisSizeError(format_message(f"xmap({name}): invalid axis_sizes.", bullets=problems,
+                                       fix="Give sizes as {'axis name': int}, e.g. {'i': 4}."))
+  return dict(axis_sizes)
+
+
+def _check_donate(donate_argnums: Any, name: str) -> tuple[int, ...]:
+  nums = (donate_argnums,) if isinstance(donate_argnums, (int, np.integer)) else donate_argnums
+  try:
+    nums = tuple(nums)
+  except TypeError:
+    nums = (nums,)
+  bad = [n for n in nums if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0]
+  if bad:
+    raise SpecError(f"xmap({name}): donate_argnums must be non-negative ints (positions of "
+                    f"arguments), got {donate_argnums!r}; e.g. donate_argnums=(0,).")
+  return tuple(int(n) for n in nums)
+
+
+def _check_call(leaves, n_args: int, donate, name) -> None:
+  """Checks what jax.jit would reject with less context: donated positions must exist and
+  leaves must be arrays."""
+  out_of_range = [d for d in donate if d >= n_args]
+  if out_of_range:
+    raise SpecError(f"xmap({name}): donate_argnums {out_of_range} is out of range for a call "
+                    f"with {n_args} positional arguments; count arguments from 0.")
+  bad = [type(x).__name__ for x in leaves
+         if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
+             x, (int, float, complex, bool, np.number, np.bool_))]
+  if bad:
+    raise SpecError(format_message(
+        f"xmap({name}): arguments must be arrays (or pytrees of arrays), got leaves of "
+        f"type {sorted(set(bad))}.",
+        fix="Convert them with jnp.asarray, or close over non-array values in the function."))
 
 
 def _shape_dtype(x):
@@ -241,24 +371,59 @@ def _loops_key():
   return tuple(sorted(named_loops().items()))
 
 
-def _defined_names(in_axes: Any, axis_sizes: Mapping[str, int]) -> list[str]:
+def _defined_names(in_specs: Sequence[AxisSpec], axis_sizes: Mapping[str, int]) -> list[str]:
   """Names in any in_axes spec (also ones standing for empty containers) and axis_sizes."""
   names: dict[str, None] = {}
-  for spec in parse_specs(in_axes, "in_axes"):
+  for spec in in_specs:
     names.update(dict.fromkeys(spec.names))
   names.update(dict.fromkeys(axis_sizes))
   return list(names)
 
 
-def _pspec(plan: Plan, spec: AxisSpec) -> PartitionSpec:
-  """The planned PartitionSpec of a leaf: each named dim on its axis' mesh axes."""
-  entries = {dim: plan.mesh_spec_entry(name) for name, dim in zip(spec.names, spec.dims)}
-  rank = max(entries) + 1 if entries else 0
-  return PartitionSpec(*(entries.get(d) for d in range(rank)))
+def _positional_shape(x, spec: AxisSpec) -> tuple[int, ...]:
+  return tuple(n for d, n in enumerate(np.shape(x)) if d not in spec.dims)
 
 
-def _sharding(plan: Plan, spec: AxisSpec, mesh) -> NamedSharding:
-  return NamedSharding(mesh, _pspec(plan, spec))
+def _leaf_key(x) -> tuple:
+  """What of a leaf decides the compiled program: shape, dtype, and where it lives."""
+  if isinstance(x, jax.core.Tracer):
+    return (*_shape_dtype(x), "traced", jax.typeof(x).sharding.spec)
+  placement = getattr(x, "sharding", None) if getattr(x, "committed", True) else None
+  return (*_shape_dtype(x), placement)
+
+
+def _in_sharding(plan: Plan, x, spec: AxisSpec, stated) -> NamedSharding | None:
+  """``jit`` in_sharding of one leaf: the named dims' placement with the stated, inherited
+  (committed) or replicated positional dims. A tracer keeps what it has: ``None`` on Auto
+  meshes; on Explicit ones its typed sharding, stated so that jit sees the mesh's devices
+  (under eager grad/vmap the values are otherwise uncommitted: "device assignment 1")."""
+  if isinstance(x, jax.core.Tracer):
+    if not (_mesh.explicit_axes(plan.mesh) and isinstance(plan.mesh, jax.sharding.Mesh)):
+      return None
+    typed = jax.typeof(x).sharding
+    return NamedSharding(plan.mesh, typed.spec if not typed.mesh.empty else PartitionSpec())
+  if stated is None and getattr(x, "committed", True):
+    stated = _placement.inherited_entries(plan, spec, x)
+  spec = _placement.full_spec(plan, spec, np.ndim(x), stated, default=None)
+  return NamedSharding(plan.mesh, spec)
+
+
+def _constrainer(mesh):
+  """Applies a PartitionSpec as a constraint (called while tracing): bare when a mesh is in
+  context (``set_mesh``, or the Auto region of an enclosing xmap on an Explicit mesh, whose
+  axis types are the ones that count), else on ``mesh``."""
+  if not jax.sharding.get_abstract_mesh().empty or isinstance(mesh, jax.sharding.AbstractMesh):
+    return lambda x, spec: jax.lax.with_sharding_constraint(x, spec)
+  return lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _constrain_input(plan: Plan, x, spec: AxisSpec, stated, typed, constrain):
+  """Re-states an input's placement inside the program: named dims on their mesh axes,
+  positional dims as stated, as typed (Explicit meshes), or unconstrained."""
+  if stated is None and typed is not None:
+    stated = _placement.typed_entries(plan, spec, typed, np.ndim(x))
+  full = _placement.full_spec(plan, spec, np.ndim(x), stated)
+  return x if _placement.is_trivial(full) else constrain(x, full)
 
 
 def _explicit_closure_error(name: str, mesh) -> MeshError:
@@ -310,7 +475,7 @@ def _place(args, targets):
   leaves, treedef = jax.tree_util.tree_flatten(args)
   moved = False
   for i, (x, target) in enumerate(zip(leaves, targets)):
-    if _needs_move(x, target):
+    if target is not None and _needs_move(x, target):
       leaves[i] = jax.device_put(x, target)
       moved = True
   return jax.tree_util.tree_unflatten(treedef, leaves) if moved else args
@@ -326,6 +491,7 @@ def _needs_move(x, target) -> bool:
 class _Enclosing(threading.local):
   def __init__(self):
     self.axes: tuple[str, ...] = ()
+    self.mesh_axes: dict[str, str] = {}  # mesh axis -> the enclosing named axis on it
 
 
 _enclosing = _Enclosing()
@@ -337,13 +503,15 @@ class _tracing:
 
   def __init__(self, plan: Plan):
     self.axes = tuple(plan.axes)
+    self.mesh_axes = {m: n for n, ax in plan.axes.items() for m in ax.mesh_axes}
 
   def __enter__(self):
-    self.saved = _enclosing.axes
-    _enclosing.axes = self.saved + self.axes
+    self.saved = (_enclosing.axes, _enclosing.mesh_axes)
+    _enclosing.axes = self.saved[0] + self.axes
+    _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
 
   def __exit__(self, *exc):
-    _enclosing.axes = self.saved
+    _enclosing.axes, _enclosing.mesh_axes = self.saved
 
 
 def _check_not_shadowing(plan: Plan, name: str) -> None:
@@ -363,16 +531,51 @@ def _check_not_shadowing(plan: Plan, name: str) -> None:
         context=["Collectives over them would be ambiguous (the inner name would shadow the "
                  "outer one)."],
         fix="Rename the inner axes."))
+  clashes = [f"axis {axis!r} is placed on mesh axis {m!r}, which the enclosing xmap uses for "
+             f"its axis {_enclosing.mesh_axes[m]!r}"
+             for axis, ax in plan.axes.items() for m in ax.mesh_axes if m in _enclosing.mesh_axes]
+  if clashes:
+    raise ResourceError(format_message(
+        f"xmap({name}): a nested xmap reuses mesh axes of the enclosing one.", bullets=clashes,
+        context=["Inside the outer map every device already holds one slice along those mesh "
+                 "axes; they cannot split another axis too."],
+        fix="Place the inner axes on other mesh axes, on a SerialLoop, or on no resources."))
 
 
 _UNBOUND = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
 
 
-def _loop_collective_error(e: NameError, plan: Plan, name: str) -> Exception:
+def _unbound_name_error(e: NameError, plan: Plan, name: str, defined: Sequence[str]
+                        ) -> Exception:
   match = _UNBOUND.search(str(e))
-  axis = match.group(1) if match else None
-  if axis not in plan.loop_axes:
+  if match is None:
     return e
+  axis = match.group(1)
+  if axis in plan.loop_axes:
+    return _loop_collective_error(axis, plan, name)
+  hint = did_you_mean(axis, list(defined) + list(_enclosing.axes))
+  return AxisNameError(format_message(
+      f"xmap({name}): a collective (psum, pmean, all_gather, axis_index, ...) refers to axis "
+      f"{axis!r}, which no enclosing xmap or vmap binds.{hint}",
+      context=[f"axes of this xmap: {list(defined)}"]
+              + ([f"axes of enclosing xmaps: {list(_enclosing.axes)}"] if _enclosing.axes
+                 else []),
+      fix="Use one of those names, or add the axis to in_axes / axis_sizes."))
+
+
+def _collective_assertion(e: AssertionError, name: str) -> Exception:
+  """JAX's vmap rule of ppermute asserts on several axes at once; say what to do instead."""
+  frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+  if not any("ppermute" in f for f in frames):
+    return e
+  return AxisNameError(format_message(
+      f"xmap({name}): lax.ppermute over several named axes at once is not supported.",
+      context=["Named axes are vectorised (jax.vmap), whose ppermute rule handles one axis."],
+      fix="Call ppermute once per axis, with the permutation of that axis; or all_gather "
+          "over one axis and index."))
+
+
+def _loop_collective_error(axis: str, plan: Plan, name: str) -> Exception:
   return LoopCollectiveError(format_message(
       f"xmap({name}): a collective (psum, axis_index, all_gather, ...) refers to axis "
       f"{axis!r}, which is mapped to a serial loop {plan.axes[axis].resources_repr()}.",

@@ -1,0 +1,365 @@
+"""``partition.value_and_grad``: sharded, micro-batched gradients of an ordinary batched loss.
+
+The loss stays what users write today: ``loss_fn(params, batch, *rest)``, a mean over the
+batch, with the model seeing arrays that have their batch dim. The batch's logical axes
+resolve through the rules:
+
+* mesh axes for the batch axis give data parallelism: the batch dim stays sharded inside the
+  model (so activation constraints, ``partition.constrain`` and flax's
+  ``nn.with_logical_constraint``, apply to it as they would without this wrapper);
+* a ``SerialLoop(k)`` (in the rules, or ``microbatches=k``) splits the batch into ``k``
+  micro-batches that run one after another (an xmap loop axis, so one micro-batch's
+  activations are alive at a time); micro-batch ``j`` holds rows ``j, j+k, j+2k, ...`` of each
+  device's block, so no row leaves its device;
+* parameters keep the shardings of their logical axes, and gradients come out with exactly
+  those shardings (accumulated sharded in the loop carry, all-reduced only over the batch's
+  mesh axes).
+
+Example:
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> import partition
+  >>> mesh = jax.make_mesh((4, 2), ('data', 'model'))
+  >>> rules = partition.AxisRules([('batch', 'data'), ('mlp', 'model')])
+  >>> def loss_fn(params, batch):
+  ...   return jnp.mean((batch['x'] @ params['w'] - batch['y']) ** 2)
+  >>> step = partition.value_and_grad(
+  ...     loss_fn, batch_axes={'x': ('batch', None), 'y': ('batch', 'mlp')},
+  ...     param_axes={'w': (None, 'mlp')}, rules=rules, mesh=mesh, microbatches=2)
+  >>> params = {'w': jnp.ones((3, 4))}
+  >>> batch = {'x': jnp.ones((16, 3)), 'y': jnp.zeros((16, 4))}
+  >>> loss, grads = step(params, batch)
+  >>> grads['w'].sharding.spec
+  P(None, 'model')
+  >>> ref_loss, ref_grads = jax.value_and_grad(loss_fn)(params, batch)
+  >>> bool(np.allclose(loss, ref_loss) and np.allclose(grads['w'], ref_grads['w']))
+  True
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from partition import _mesh
+from partition._errors import AxisSizeError, PartitionError, SpecError, format_message
+from partition._resources import SerialLoop
+from partition._rules import AxisRules, is_axes_leaf
+from partition._specs import Logical, Mean
+from partition._xmap import xmap
+
+_MICRO = "__microbatch__"
+
+
+class GradSpecError(PartitionError, ValueError):
+  """``batch_axes`` / ``param_axes`` do not fit the batch or the parameters."""
+
+
+def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None,
+                   rules: Any = None, mesh: jax.sharding.Mesh | None = None,
+                   has_aux: bool = False, microbatches: int | None = None,
+                   batch_axis: str | None = None, rng_argnums: int | Sequence[int] = ()
+                   ) -> Callable:
+  """Like ``jax.value_and_grad(loss_fn)``, sharded by logical axes and micro-batched.
+
+  Args:
+    loss_fn: ``loss_fn(params, batch, *rest)`` -> scalar loss (a mean over the batch), or
+      ``(loss, aux)`` with ``has_aux=True``. Differentiated with respect to ``params``.
+    batch_axes: logical axes of the batch: a pytree prefix of ``batch`` whose leaves are
+      tuples of logical names, one per dim, e.g. ``{'tokens': ('batch', 'length')}``.
+    param_axes: logical axes of the parameters (a matching tree of tuples, ``None`` for "as
+      the parameter is"), or a ``partition.PathRules`` table; default: read from the tree
+      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``).
+    rules: an ``AxisRules`` (or pairs / a file path); default: the ``partition.axis_rules``
+      context. ``None`` with no context: nothing is sharded (micro-batching still works).
+    mesh: default: the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` is averaged over micro-batches.
+    microbatches: number of sequential micro-batches ``k`` (default: the serial loops the
+      rules give the batch axis, else 1).
+    batch_axis: the logical name of the batch dim; default: the first name of the first
+      leaf of ``batch_axes``. Every batch leaf must have it.
+    rng_argnums: positions (in ``(params, batch, *rest)``) of PRNG keys; each micro-batch
+      gets ``jax.random.fold_in(key, j)``, so dropout masks differ between micro-batches as
+      they differ between the rows of one batch.
+
+  Returns:
+    ``step(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)`` with
+    ``has_aux``), where ``grads`` has the structure and shardings of ``params``. It runs
+    under ``jax.jit`` when called eagerly, and inlines into an enclosing ``jax.jit``.
+
+  Raises:
+    GradSpecError: ``batch_axes``/``param_axes`` do not fit the batch or the parameters.
+    AxisSizeError: the batch does not divide into the mesh shards times ``microbatches``.
+  """
+  if not callable(loss_fn):
+    raise SpecError(f"value_and_grad expects a callable loss_fn, got {loss_fn!r}.")
+  if microbatches is not None and (isinstance(microbatches, bool) or not isinstance(
+      microbatches, (int, np.integer)) or microbatches < 1):
+    raise AxisSizeError(f"value_and_grad: microbatches must be a positive int, got "
+                        f"{microbatches!r}.")
+  rng_argnums = (rng_argnums,) if isinstance(rng_argnums, int) else tuple(rng_argnums)
+  if any(isinstance(i, bool) or not isinstance(i, int) or i < 2 for i in rng_argnums):
+    raise SpecError(f"value_and_grad: rng_argnums={rng_argnums!r} must be positions >= 2 in "
+                    "(params, batch, *rest): keys are extra arguments after the batch.")
+  config = _Config(loss_fn, batch_axes, param_axes, rules, mesh, has_aux, microbatches,
+                   batch_axis, rng_argnums)
+  jitted = jax.jit(config.step)
+
+  def step(params, batch, *rest):
+    args = (params, batch, *rest)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
+      return config.step(*args)
+    return jitted(*config.place(params, batch), *rest)
+
+  step.__name__ = f"value_and_grad_{getattr(loss_fn, '__name__', 'loss')}"
+  step.__doc__ = loss_fn.__doc__
+  return step
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  loss_fn: Callable
+  batch_axes: Any
+  param_axes: Any
+  rules: Any
+  mesh: Any
+  has_aux: bool
+  microbatches: int | None
+  batch_axis: str | None
+  rng_argnums: tuple[int, ...]
+
+  def context(self):
+    from partition._context import current_rules, current_rules_mesh
+    rules = current_rules(self.rules)
+    mesh = current_rules_mesh(self.mesh) if rules is not None else _mesh.current_mesh(self.mesh)
+    return rules, mesh
+
+  def place(self, params, batch):
+    """Commits uncommitted concrete inputs to their shardings before the jitted step (the
+    step then reads every shard in place; on Explicit meshes jit also needs committed
+    inputs to see the mesh's devices)."""
+    rules, mesh = self.context()
+    if rules is None or not isinstance(mesh, jax.sharding.Mesh):
+      return params, batch
+    specs = _param_specs(self.param_axes, params, rules, mesh)
+    params = jax.tree.map(lambda s, sub: _commit(sub, mesh, s), specs, params, is_leaf=_is_spec)
+    axes = _broadcast_axes(self.batch_axes, batch)
+    batch = jax.tree.map(lambda a, x: _commit(x, mesh, rules.spec(a, np.shape(x), mesh)),
+                         axes, batch, is_leaf=is_axes_leaf)
+    return params, batch
+
+  def step(self, params, batch, *rest):
+    from partition._context import axis_rules
+    rules, mesh = self.context()
+    batch_plan = _BatchPlan.build(self, batch, rules, mesh)
+    k = batch_plan.k
+    param_specs = _param_specs(self.param_axes, params, rules, mesh)
+    micro = jax.tree.map(batch_plan.to_micro, batch, batch_plan.dims)
+    rest = list(rest)
+    rng_positions = [i - 2 for i in self.rng_argnums]
+    for i in rng_positions:
+      rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
+
+    def per_micro(params, micro_batch, *rest):
+      with axis_rules(rules, None if mesh is None or _mesh.explicit_axes(mesh) else mesh) \
+          if rules is not None else _nullcontext():
+        return jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, micro_batch,
+                                                                      *rest)
+
+    sharded = mesh is not None and rules is not None
+    param_in = param_specs if sharded else [...]
+    grad_out = (jax.tree.map(lambda s: Mean(_MICRO, axes=s), param_specs, is_leaf=_is_spec)
+                if sharded else Mean(_MICRO))
+    batch_in = jax.tree.map(
+        lambda axes: Logical(*axes, named=[_MICRO, ...]) if sharded else [_MICRO, ...],
+        batch_plan.axes, is_leaf=is_axes_leaf)
+    rest_in = tuple([_MICRO, ...] if i in rng_positions else [...] for i in range(len(rest)))
+    value_out = (Mean(_MICRO), Mean(_MICRO)) if self.has_aux else Mean(_MICRO)
+    resources = {_MICRO: ((SerialLoop(k),) if k > 1 else ())}
+    mapped = xmap(per_micro, in_axes=(param_in, batch_in, *rest_in),
+                  out_axes=(value_out, grad_out),
+                  axis_resources=_RulesWith(rules, resources) if sharded else resources,
+                  mesh=mesh if sharded else None)
+    with _abstract_mesh_context(mesh if sharded else None):
+      return mapped(params, micro, *rest)
+
+
+class _nullcontext:
+  def __enter__(self):
+    return None
+
+  def __exit__(self, *exc):
+    return False
+
+
+def _abstract_mesh_context(mesh):
+  """Makes ``mesh`` the context mesh while tracing (if none is), so bare-spec constraints in
+  the model (flax's ``nn.with_logical_constraint``) see it."""
+  if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+    return _nullcontext()
+  abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+  return jax.sharding.use_abstract_mesh(abstract)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RulesWith:
+  """An ``axis_resources`` that resolves ``Logical`` leaves with ``rules`` and places the
+  xmap's own axes as ``resources`` says (the micro-batch axis is not a logical name)."""
+
+  rules: AxisRules
+  resources: dict
+
+  def spec(self, *args, **kwargs):
+    return self.rules.spec(*args, **kwargs)
+
+  def xmap_resources(self, names, **_):
+    return {n: self.resources.get(n, ()) for n in names}
+
+  def __hash__(self):
+    return hash((self.rules, tuple(self.resources.items())))
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchPlan:
+  """How the batch is cut: ``k`` micro-batches of the batch dim ``dims`` of every leaf,
+  ``m`` devices along it."""
+
+  axes: Any       # the batch_axes tree, broadcast to one tuple per leaf
+  dims: Any       # per leaf: the position of the batch dim
+  k: int
+  m: int
+
+  @staticmethod
+  def build(config: _Config, batch, rules, mesh) -> _BatchPlan:
+    axes = _broadcast_axes(config.batch_axes, batch)
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    axes_leaves = jax.tree_util.tree_leaves(axes, is_leaf=is_axes_leaf)
+    name = config.batch_axis or (axes_leaves[0][0] if axes_leaves and axes_leaves[0] else None)
+    problems, dims = [], []
+    for (path, x), a in zip(leaves, axes_leaves):
+      where = f"batch{jax.tree_util.keystr(path)}"
+      if len(a) != np.ndim(x):
+        problems.append(f"{where} has shape {np.shape(x)}, but its batch_axes {a!r} name "
+                        f"{len(a)} dims")
+      elif name not in a:
+        problems.append(f"{where}: batch_axes {a!r} has no {name!r} dim")
+      dims.append(a.index(name) if name in a else 0)
+    if problems:
+      raise GradSpecError(format_message(
+          "value_and_grad: batch_axes does not fit the batch.", bullets=problems,
+          fix="Give every batch leaf one logical name per dim, including the batch axis "
+              f"{name!r} (or set batch_axis=)."))
+    size = np.shape(leaves[0][1])[dims[0]] if leaves else 0
+    mesh_axes, loops = _batch_resources(name, axes_leaves, leaves, dims, rules, mesh)
+    k = config.microbatches or math.prod(lp for lp in loops) or 1
+    if loops and config.microbatches and config.microbatches != math.prod(loops):
+      raise AxisSizeError(f"value_and_grad: microbatches={config.microbatches}, but the rules "
+                          f"give the batch axis {name!r} serial loops {loops}; choose one.")
+    m = _mesh.resource_size(mesh, mesh_axes) if mesh_axes else 1
+    bad = [f"batch{jax.tree_util.keystr(p)} has {np.shape(x)[d]} rows along {name!r}"
+           for (p, x), d in zip(leaves, dims) if np.shape(x)[d] != size or size % (m * k)]
+    if bad:
+      raise AxisSizeError(format_message(
+          f"value_and_grad: the batch must divide into {m} device shard(s) x {k} "
+          "micro-batch(es) of equal size.", bullets=bad,
+          fix=f"Use a batch size that is a multiple of {m * k} (the same in every leaf)."))
+    treedef = jax.tree_util.tree_structure(batch)
+    return _BatchPlan(jax.tree_util.tree_unflatten(treedef, axes_leaves),
+                      jax.tree_util.tree_unflatten(treedef, dims), k, m)
+
+  def to_micro(self, x, dim: int):
+    """``(..., N, ...)`` -> ``(k, ..., N/k, ...)``: micro-batch ``j`` holds rows ``j, j+k, ...``
+    of each device's block of ``N/m`` rows (a reshape within each device's rows)."""
+    shape = np.shape(x)
+    n, k, m = shape[dim], self.k, self.m
+    x = jnp.reshape(x, shape[:dim] + (m, n // (m * k), k) + shape[dim + 1:])
+    x = jnp.moveaxis(x, dim + 2, 0)
+    return jnp.reshape(x, (k,) + shape[:dim] + (n // k,) + shape[dim + 1:])
+
+
+def _broadcast_axes(batch_axes, batch):
+  """``batch_axes`` (a prefix of ``batch``) -> one axes tuple per batch leaf."""
+  try:
+    subtrees = jax.tree_util.tree_structure(batch_axes, is_leaf=is_axes_leaf).flatten_up_to(
+        batch)
+  except (ValueError, TypeError) as e:
+    raise GradSpecError(format_message(
+        "value_and_grad: batch_axes is not a pytree prefix of the batch.",
+        context=[f"details: {e}"],
+        fix="Give batch_axes the batch's structure with one axes tuple per array, e.g. "
+            "{'tokens': ('batch', 'length')}, or one tuple for all arrays.")) from None
+  axes = jax.tree_util.tree_leaves(batch_axes, is_leaf=is_axes_leaf)
+  bad = [a for a in axes if isinstance(a, str) or not isinstance(a, (tuple, list))]
+  if bad:
+    raise GradSpecError(f"value_and_grad: batch_axes leaves must be tuples of logical names, "
+                        f"got {bad[0]!r}; write e.g. ('batch', 'length').")
+  per_leaf = [tuple(a) for a, sub in zip(axes, subtrees)
+              for _ in jax.tree_util.tree_leaves(sub)]
+  return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), per_leaf)
+
+
+def _batch_resources(name, axes_leaves, leaves, dims, rules, mesh):
+  """The mesh axes the batch dim is sharded over (as the rules place the first leaf) and the
+  serial-loop lengths the rules give the batch axis."""
+  if rules is None:
+    return (), ()
+  loops = tuple(r.length for r in rules.xmap_resources([name]).get(name, ())
+                if isinstance(r, SerialLoop))
+  if mesh is None or not leaves:
+    return (), loops
+  x = leaves[0][1]
+  spec = rules.spec(axes_leaves[0], np.shape(x), mesh)
+  entry = tuple(spec)[dims[0]] if len(spec) > dims[0] else None
+  mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+  return mesh_axes, loops
+
+
+def _param_specs(param_axes, params, rules, mesh):
+  """One PartitionSpec per parameter subtree (box or array): from its logical axes, else
+  from its own sharding, else ``None`` (left to propagation)."""
+  if rules is None or mesh is None:
+    return None
+  from partition._logical_axes import logical_axes
+  if param_axes is None:
+    param_axes = logical_axes(params)
+  elif hasattr(param_axes, "apply") and not isinstance(param_axes, (dict, list, tuple)):
+    param_axes = param_axes.apply(params)  # a PathRules table
+  try:
+    structure = jax.tree_util.tree_structure(param_axes, is_leaf=is_axes_leaf)
+    subtrees = structure.flatten_up_to(params)
+  except (ValueError, TypeError) as e:
+    raise GradSpecError(format_message(
+        "value_and_grad: param_axes is not a pytree prefix of the parameters.",
+        context=[f"details: {e}"],
+        fix="Give one logical-axes tuple (or None) per parameter, in the params' structure; "
+            "or leave param_axes=None to read the axes the model declared.")) from None
+  axes = structure.flatten_up_to(param_axes) if structure.num_leaves else []
+  specs = [_param_spec(a, sub, rules, mesh) for a, sub in zip(axes, subtrees)]
+  return jax.tree_util.tree_unflatten(structure, specs)
+
+
+def _param_spec(axes, subtree, rules, mesh) -> PartitionSpec | list:
+  (leaf,) = jax.tree_util.tree_leaves(subtree) or (None,)
+  if axes is not None:
+    return rules.spec(tuple(axes), np.shape(leaf), mesh)
+  sharding = getattr(leaf, "sharding", None)
+  if isinstance(sharding, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
+    return sharding.spec
+  return None
+
+
+def _commit(tree, mesh, spec: PartitionSpec | None):
+  """``device_put`` the uncommitted arrays of ``tree`` onto ``spec`` (replicated if None)."""
+  sharding = NamedSharding(mesh, spec if spec is not None else PartitionSpec())
+  return jax.tree.map(lambda x: x if getattr(x, "committed", False) else jax.device_put(
+      x, sharding), tree)
+
+
+def _is_spec(s) -> bool:
+  return s is None or isinstance(s, PartitionSpec)
