@@ -6,22 +6,34 @@ Sharded initialisation is the same three steps everywhere:
 2. resolve the axes through the rules on the mesh: one ``NamedSharding`` per parameter;
 3. ``jax.jit(init, out_shardings=...)``: XLA creates each parameter directly in its
    shards, so no device ever holds a full copy of a sharded weight.
+
+Between 2 and 3 :func:`place` runs ``partition._audit.audit_placement``: ``strict=True``
+turns every unplaced name / path / dim into one error, otherwise one warning lists large
+parameters left fully replicated.
+
+Importing this module registers :func:`flax_rules` with ``partition._context`` (a hook), so
+``partition.axis_rules`` also sets flax's ``nn.logical_axis_rules`` without the core
+importing any adapter.
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
+from partition import _context
+from partition._audit import audit_placement
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import MeshError, format_message
 from partition._explain import explain as _explain
 from partition._logical_axes import abstract, logical_axes, unbox
 from partition._mesh import AnyMesh
-from partition._path_rules import as_path_rules
+from partition._path_rules import PathMatch, as_path_rules
 from partition._resources import SerialLoop
 from partition._rules import AxisRules
 
@@ -47,21 +59,49 @@ def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,
 def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
   """``rules`` as flax's ``LogicalRules`` (for ``nn.logical_axis_rules``).
 
-  Loops are dropped; with a mesh, axes it lacks or of size 1 are dropped and a rule left
-  without axes is skipped (as ``AxisRules`` does without a shape).
+  Loops are dropped; with a mesh, axes it lacks or of size 1 are dropped. A rule left
+  without axes maps its name to ``None`` (replicated), never disappears: flax NNX resolves
+  a name without a rule to *itself* (``rules.get(name, name)``), which would pass a logical
+  name to ``NamedSharding`` as a mesh axis.
+
+  Example:
+    >>> import jax, partition
+    >>> from partition._adapt import flax_rules
+    >>> mesh = jax.make_mesh((4, 2), ('data', 'fsdp'))
+    >>> flax_rules(partition.AxisRules([('embed', 'fsdp'), ('mlp', 'tensor')]), mesh)
+    (('embed', 'fsdp'), ('mlp', None))
   """
   sizes = None if mesh is None else dict(mesh.shape)
   out = []
   for name, value in rules.pairs:
-    if value is None:
-      out.append((name, None))
-      continue
-    axes = [a for a in value if not isinstance(a, SerialLoop)]
+    axes = [a for a in value or () if not isinstance(a, SerialLoop)]
     if sizes is not None:
       axes = [a for a in axes if sizes.get(a, 1) > 1]
-    if axes:
-      out.append((name, axes[0] if len(axes) == 1 else tuple(axes)))
+    out.append((name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes)))
   return tuple(out)
+
+
+def _set_flax_rules(rules: AxisRules, mesh: AnyMesh | None):
+  """The ``partition._context`` hook: flax's rules context, if flax is in use."""
+  if "flax.core.spmd" not in sys.modules:
+    return contextlib.nullcontext()
+  from flax.core import spmd
+
+  return spmd.logical_axis_rules(flax_rules(rules, mesh))
+
+
+_context.register_rules_hook(_set_flax_rules)
+
+
+def passthrough_rules(rules: AxisRules, mesh: AnyMesh) -> AxisRules:
+  """``rules`` plus ``(axis, axis)`` for each mesh axis that is not a logical name.
+
+  Flax NNX resolves ``out_sharding`` names with ``rules.get(name, name)``: a name without a
+  rule that is a mesh axis *is* that mesh axis. Appending identity rules (lowest priority)
+  gives the same placement while keeping the priority algorithm for named rules.
+  """
+  extra = [(a, a) for a in mesh.axis_names if a not in rules.names]
+  return rules + extra if extra else rules
 
 
 def rules_context(rules: AxisRules, mesh: AnyMesh | None):
@@ -71,15 +111,32 @@ def rules_context(rules: AxisRules, mesh: AnyMesh | None):
 
 def apply_path_rules(tree: Any, param_axes: Any) -> Any:
   """Logical axes of ``tree``: declared ones, filled in by the path table if given."""
+  return match_axes(tree, param_axes)[0]
+
+
+def match_axes(tree: Any, param_axes: Any) -> tuple[Any, PathMatch | None]:
+  """``(axes tree, PathMatch or None)``: declared axes, then the path table (if any)."""
   table = as_path_rules(param_axes)
   if table is None:
-    return logical_axes(tree)
-  return table.axes(tree)
+    return logical_axes(tree), None
+  report = table.match(tree)
+  return report.axes, report
 
 
 def shardings_for(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
   """``NamedSharding`` per parameter of the (boxed) abstract ``tree``."""
   return rules.tree_shardings(axes, mesh, shapes=unbox(tree))
+
+
+def place(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh, *, strict: bool, api: str,
+          path_match: PathMatch | None = None) -> Any:
+  """:func:`shardings_for`, audited (one strict error, or one replicated warning)."""
+  if not isinstance(strict, bool):
+    raise TypeError(f"{api}(strict=...) takes True or False, got {strict!r}.")
+  shardings = shardings_for(tree, axes, rules, mesh)
+  audit_placement(unbox(tree), axes, shardings, rules, mesh, strict=strict, api=api,
+                  path_match=path_match)
+  return shardings
 
 
 def sharded_abstract(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:

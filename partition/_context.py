@@ -11,15 +11,28 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
-import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from partition._mesh import AnyMesh, current_mesh
 from partition._rules import AxisRules
 
+# Context managers entered by axis_rules, registered by framework adapters on import (the
+# flax adapter sets flax's own nn.logical_axis_rules): the core never imports an adapter.
+_HOOKS: list[Callable[[AxisRules, AnyMesh | None], Any]] = []
+
 _STATE: contextvars.ContextVar[tuple[AxisRules | None, AnyMesh | None]] = (
     contextvars.ContextVar("partition_axis_rules", default=(None, None)))
+
+
+def register_rules_hook(hook: Callable[[AxisRules, AnyMesh | None], Any]) -> None:
+  """Registers ``hook(rules, mesh) -> context manager``, entered by every ``axis_rules``.
+
+  For framework adapters: ``partition._adapt`` registers one that sets flax's rules. A hook
+  registered twice runs once.
+  """
+  if hook not in _HOOKS:
+    _HOOKS.append(hook)
 
 
 def as_rules(rules: Any) -> AxisRules:
@@ -64,15 +77,12 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[AxisRules]:
   token = _STATE.set((new_rules, new_mesh))
   try:
     with contextlib.ExitStack() as stack:
-      if new_rules is not None and "flax.core.spmd" in sys.modules:
-        # Models that use flax's own nn.with_logical_constraint resolve through the same
-        # table (flax is only consulted if the user's program already imported it).
-        from flax.core import spmd
-
-        from partition._adapt import flax_rules
-
-        stack.enter_context(spmd.logical_axis_rules(
-            flax_rules(new_rules, new_mesh if new_mesh is not None else current_mesh())))
+      if new_rules is not None:
+        # Adapters' hooks, e.g. flax's own rules so that nn.with_logical_constraint in
+        # existing linen models resolves through the same table.
+        hook_mesh = new_mesh if new_mesh is not None else current_mesh()
+        for hook in _HOOKS:
+          stack.enter_context(hook(new_rules, hook_mesh))
       yield new_rules
   finally:
     _STATE.reset(token)

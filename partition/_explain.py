@@ -5,6 +5,11 @@ indivisible dims fall back as they will at run time) and returns an :class:`Expl
 a table of path, shape, dtype, logical axes, ``PartitionSpec``, bytes per device and total
 bytes, then the leaves left fully replicated on a multi-device mesh, then every rule that was
 skipped and why. ``str(report)`` is plain text; ``report.to_markdown()`` is a Markdown table.
+
+Paths are written ``a/b/c`` (the format of path tables and error messages). PRNG-key arrays
+are listed with their key dtype (``key<fry>``); Python numbers count as 0-d arrays; other
+non-array leaves (strings, objects) are skipped and named in the notes. A logical-axes tuple
+shorter than the rank is a prefix, as in flax (trailing dims replicated).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from jax.sharding import PartitionSpec
 from partition._config import did_you_mean
 from partition._constrain import NoRulesError
 from partition._context import current_rules, current_rules_mesh
+from partition._errors import format_message
+from partition._logical_axes import LogicalAxesError, path_str
 from partition._mesh import AnyMesh, axis_sizes, describe
 from partition._resolve import FIRED, Resolution
 from partition._rules import AxisRules, map_axes_tree
@@ -138,12 +145,12 @@ def explain(tree: Any, axes_tree: Any, rules: Any = None, mesh: AnyMesh | None =
     >>> report = partition.explain(params, {'w': ('embed', 'mlp'), 'b': ('mlp',)}, rules,
     ...                            mesh)
     >>> print(report)
-    path   shape   dtype    logical axes      spec               per device  total
-    -----  ------  -------  ----------------  -----------------  ----------  -----
-    ['b']  (8,)    float32  ('mlp',)          P('tensor',)       16 B        32 B
-    ['w']  (6, 8)  float32  ('embed', 'mlp')  P(None, 'tensor')  96 B        192 B
+    path  shape   dtype    logical axes      spec               per device  total
+    ----  ------  -------  ----------------  -----------------  ----------  -----
+    b     (8,)    float32  ('mlp',)          P('tensor',)       16 B        32 B
+    w     (6, 8)  float32  ('embed', 'mlp')  P(None, 'tensor')  96 B        192 B
     2 arrays, 224 B total, 112 B per device on mesh(fsdp=4 Explicit, tensor=2 Explicit)
-    * ['w'] dim 0 'embed' (size 6): rule #0 'fsdp': not divisible (size 6, needs a multiple of 4)
+    * w dim 0 'embed' (size 6): rule #0 'fsdp': not divisible (size 6, needs a multiple of 4)
   """
   found = current_rules(rules)
   if found is None:
@@ -154,26 +161,64 @@ def explain(tree: Any, axes_tree: Any, rules: Any = None, mesh: AnyMesh | None =
   devices = math.prod(sizes.values()) if found_mesh is not None else 1
   rows: list[ExplainRow] = []
   notes: list[str] = []
+  too_long: list[str] = []
 
   def row(path, axes, leaf):
+    name = path_str(path) or "<root>"
+    if leaf is None:
+      notes.append(f"{name}: not an array, skipped")
+      return PartitionSpec()
+    if isinstance(axes, (tuple, list)) and len(axes) > len(leaf.shape):
+      too_long.append(f"{name}: logical axes {tuple(axes)} name {len(axes)} dims but the "
+                      f"array has shape {tuple(leaf.shape)}")
+      return PartitionSpec()
+    axes = _pad(axes, leaf.shape)
     res = _resolution(found, axes, leaf.shape, found_mesh, strict)
     spec = res.spec if res is not None else found.spec(axes)
-    itemsize = np.dtype(leaf.dtype).itemsize
+    itemsize, dtype = _itemsize(leaf.dtype)
     total = math.prod(leaf.shape) * itemsize
     per = _shard_bytes(leaf.shape, spec, sizes, itemsize)
-    name = _keystr(path)
-    rows.append(ExplainRow(name, tuple(leaf.shape), str(np.dtype(leaf.dtype)),
+    rows.append(ExplainRow(name, tuple(leaf.shape), dtype,
                            None if res is None else tuple(axes), spec, per, total,
                            devices > 1 and len(leaf.shape) > 0 and per == total, res))
     notes.extend(_notes(name, res, found))
     return spec
 
-  map_axes_tree(row, axes_tree, tree, "partition.explain")
+  map_axes_tree(row, axes_tree, _arrays_only(tree), "partition.explain")
+  if too_long:
+    raise LogicalAxesError(format_message(
+        f"partition.explain: {len(too_long)} array(s) have more logical axes than dims:",
+        bullets=too_long,
+        fix="Give at most one logical name (or None) per dim; a shorter tuple leaves the "
+            "trailing dims replicated."))
   return ExplainReport(tuple(rows), describe(found_mesh), devices, tuple(notes))
 
 
-def _keystr(path) -> str:
-  return jax.tree_util.keystr(path) or "<root>"
+def _arrays_only(tree: Any) -> Any:
+  """Python numbers as 0-d arrays; other leaves without a shape as ``None`` (skipped)."""
+  def one(x):
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+      return x
+    if isinstance(x, (bool, int, float, complex)):
+      return np.asarray(x)
+    return None
+  return jax.tree.map(one, tree)
+
+
+def _itemsize(dtype: Any) -> tuple[int, str]:
+  """``(bytes per element, dtype name)``; PRNG key dtypes have no numpy equivalent."""
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return dtype.itemsize, str(dtype)
+  d = np.dtype(dtype)
+  return d.itemsize, str(d)
+
+
+def _pad(axes: Any, shape: tuple) -> Any:
+  """A short logical-axes tuple is a prefix (flax): pad with ``None`` to the rank."""
+  if isinstance(axes, (tuple, list)) and not isinstance(axes, PartitionSpec) and (
+      len(axes) < len(shape)):
+    return tuple(axes) + (None,) * (len(shape) - len(axes))
+  return axes
 
 
 def _resolution(rules: AxisRules, axes, shape, mesh, strict) -> Resolution | None:

@@ -1,0 +1,126 @@
+"""partition.optimizer_init: optax state sharded like its params, equal to the unsharded one."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import PartitionSpec as P
+
+import partition
+
+RULES = partition.AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp"),
+                             ("mlp", "tensor"), ("vocab", "tensor")])
+AXES = {"embed": ("vocab", "embed"), "w_in": ("embed", "mlp"), "w_out": ("mlp", "embed"),
+        "scale": ("embed",), "bias": None}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+
+
+def make_params(key=0):
+  ks = jax.random.split(jax.random.key(key), 5)
+  shapes = {"embed": (16, 8), "w_in": (8, 16), "w_out": (16, 8), "scale": (8,), "bias": (8,)}
+  return {n: jax.random.normal(k, s) for k, (n, s) in zip(ks, shapes.items())}
+
+
+def boxed(params):
+  return {n: v if AXES[n] is None else partition.Annotated(v, AXES[n])
+          for n, v in params.items()}
+
+
+def mask(params):
+  return {n: v.ndim == 2 for n, v in params.items()}
+
+
+OPTIMIZERS = {
+    "adamw": (lambda: optax.adamw(1e-2), lambda s: [s[0].mu, s[0].nu], lambda s: s[0].count),
+    "sgd_momentum": (lambda: optax.sgd(1e-2, momentum=0.9), lambda s: [s[0].trace], None),
+    "chain_clip_adamw": (lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                                             optax.adamw(1e-2)),
+                         lambda s: [s[1][0].mu, s[1][0].nu], lambda s: s[1][0].count),
+    "masked_adamw": (lambda: optax.masked(optax.adamw(1e-2), mask),
+                     lambda s: [s.inner_state[0].mu, s.inner_state[0].nu],
+                     lambda s: s.inner_state[0].count),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_moments_take_param_shardings_and_one_step_equals_unsharded(name, mesh):
+  make_tx, moments, count = OPTIMIZERS[name]
+  tx = make_tx()
+  params = make_params()
+  # Independent reference for the shardings: the rules resolved on the params alone.
+  expected = RULES.tree_shardings(AXES, mesh, shapes=params)
+  state = partition.optimizer_init(tx, boxed(params), rules=RULES, mesh=mesh)
+  for tree in moments(state):
+    for n, leaf in tree.items():
+      if isinstance(leaf, optax.MaskedNode):
+        assert name == "masked_adamw" and params[n].ndim == 1
+        continue
+      assert leaf.sharding == expected[n], (n, leaf.sharding)
+  assert expected["w_in"].spec == P("fsdp", "tensor")
+  if count is not None:
+    c = count(state)
+    assert isinstance(c.sharding, NamedSharding) and c.sharding.spec == P()
+    assert c.sharding.mesh == mesh and not isinstance(c.sharding, SingleDeviceSharding)
+
+  # One update step, sharded, against the same step on unsharded host copies.
+  grads = make_params(1)
+  sharded_params = jax.device_put(params, expected)
+  sharded_grads = jax.device_put(grads, expected)
+  updates, new_state = jax.jit(tx.update)(sharded_grads, state, sharded_params)
+  ref_updates, ref_state = tx.update(grads, tx.init(params), params)
+  for n in params:
+    np.testing.assert_allclose(np.asarray(updates[n]), np.asarray(ref_updates[n]),
+                               rtol=1e-6, atol=1e-7)
+  for got, want in zip(jax.tree.leaves(new_state), jax.tree.leaves(ref_state)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-7)
+
+
+def test_default_params_context_and_path_rules_give_the_same_state(mesh):
+  tx = optax.adam(1e-3)
+  params = make_params()
+  with partition.axis_rules(RULES, mesh):
+    from_boxes = partition.optimizer_init(tx, boxed(params))
+  from_tree = partition.optimizer_init(tx, params, param_axes=AXES, rules=RULES, mesh=mesh)
+  table = partition.PathRules([(r"^w_in$", ("embed", "mlp")), (r"^w_out$", ("mlp", "embed")),
+                               (r"^embed$", ("vocab", "embed")), (r"^scale$", ("embed",))])
+  from_table = partition.optimizer_init(tx, params, param_axes=table, rules=RULES, mesh=mesh)
+  for a, b, c in zip(jax.tree.leaves(from_boxes), jax.tree.leaves(from_tree),
+                     jax.tree.leaves(from_table)):
+    assert a.sharding == b.sharding == c.sharding
+
+
+def test_optimizer_axes_keep_empty_state_and_masked_node():
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.masked(optax.adamw(1e-2), mask))
+  axes = partition.optimizer_axes(tx, boxed(make_params()))
+  assert isinstance(axes[0], optax.EmptyState)
+  inner = axes[1].inner_state[0]
+  assert inner.mu["w_in"] == ("embed", "mlp") and inner.nu["w_out"] == ("mlp", "embed")
+  assert isinstance(inner.mu["scale"], optax.MaskedNode)
+  assert inner.count is None
+
+
+def test_explain_reads_an_optax_state(mesh):
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2))
+  params = make_params()
+  state = partition.optimizer_init(tx, boxed(params), rules=RULES, mesh=mesh)
+  report = partition.explain(state, partition.optimizer_axes(tx, boxed(params)), RULES, mesh)
+  rows = {r.path: r for r in report.rows}
+  # Independent reference: the bytes each device actually holds.
+  for path, leaf in [("1/0/mu/w_in", state[1][0].mu["w_in"]),
+                     ("1/0/count", state[1][0].count)]:
+    shard = leaf.addressable_shards[0].data
+    assert rows[path].bytes_per_device == shard.size * shard.dtype.itemsize
+  assert rows["1/0/mu/w_in"].spec == P("fsdp", "tensor")
+
+
+def test_bad_tx_is_a_clear_error(mesh):
+  with pytest.raises(TypeError, match=r"tx must be an optax GradientTransformation, got "
+                                      r"function(.|\n)*optax.adamw\(1e-3\)"):
+    partition.optimizer_init(optax.adam, make_params(), rules=RULES, mesh=mesh)
+  with pytest.raises(partition.PartitionError, match="needs axis rules"):
+    partition.optimizer_init(optax.adam(1e-3), make_params(), mesh=mesh)
