@@ -268,17 +268,35 @@ def _recording() -> Iterator[dict[tuple[str, str], _Created]]:
     _recorders().pop()
 
 
-def _active() -> bool:
-  """Constrain params / state now? Needs a mesh and rules; never during an Explicit init.
+def _explicit_init() -> bool:
+  """Inside an init on a mesh with Explicit axes (then nothing is constrained).
 
-  On an Explicit mesh a reshard inside the init would put sharded types into stock module
-  code (``hk.Embed``'s gather then needs ``out_sharding=``); ``init_sharded``'s
+  A reshard inside the init would put sharded types into stock module code (``hk.Embed``'s
+  gather, ``hk.Linear``'s dot then need ``out_sharding=``), and ``init_sharded``'s
   ``out_shardings`` place the params anyway.
   """
   mesh = current_rules_mesh()
-  if mesh is None or current_rules() is None:
+  # hk.running_init() is False in the apply that hk.layer_stack runs inside its init, hence
+  # also the flag set while this module traces an init.
+  initializing = hk.running_init() or getattr(_LOCAL, "placing", 0) > 0
+  return mesh is not None and bool(explicit_axes(mesh)) and initializing
+
+
+@contextlib.contextmanager
+def _placing() -> Iterator[None]:
+  """Marks code that traces an init for :func:`init_sharded` and friends."""
+  _LOCAL.placing = getattr(_LOCAL, "placing", 0) + 1
+  try:
+    yield
+  finally:
+    _LOCAL.placing -= 1
+
+
+def _active() -> bool:
+  """Constrain params / state now? Needs a mesh and rules, and not an Explicit init."""
+  if current_rules_mesh() is None or current_rules() is None:
     return False
-  return not (explicit_axes(mesh) and hk.running_init())
+  return not _explicit_init()
 
 
 def _constrain_var(value: jax.Array, axes: Axes) -> jax.Array:
@@ -431,7 +449,8 @@ def constrain_outputs(table: PathRules | Any, *, methods: Sequence[str] = ("__ca
   ``methods`` whose module path (``module.module_name``, e.g. ``transformer/~/mlp/~/linear_0``)
   ``re.search``-matches a pattern has its output passed through ``partition.constrain`` with
   that pattern's logical axes (``None``: leave it). The first matching pattern wins. Values
-  are unchanged; only the placement is pinned. Inside ``hk.layer_stack`` module paths are
+  are unchanged; only the placement is pinned (not during an init on Explicit mesh axes, where
+  ``init_sharded`` places the params). Inside ``hk.layer_stack`` module paths are
   relative to the stacked function (``linear``, not ``__layer_stack_no_per_layer/linear``).
 
   Args:
@@ -478,7 +497,9 @@ def constrain_outputs(table: PathRules | Any, *, methods: Sequence[str] = ("__ca
     if hit is None:
       return out
     used.add(hit[0])
-    return out if hit[1] is None else _constrain_output(out, hit[1], name, hit[0], table)
+    if hit[1] is None or _explicit_init():
+      return out
+    return _constrain_output(out, hit[1], name, hit[0], table)
 
   with hk.intercept_methods(interceptor):
     yield table
@@ -578,7 +599,7 @@ def _trace(api: str, init: Callable, rng: Any, inputs: _Inputs, rules: Any, mesh
   context = (_adapt.rules_context(rules, mesh) if rules is not None
              else contextlib.nullcontext())
   try:
-    with _recording() as created, context:
+    with _recording() as created, context, _placing():
       out = jax.eval_shape(lambda r, *t: init(r, *t), rng, *inputs.traced)
   except _CONCRETE_ERRORS as e:
     raise StaticArgError(format_message(
@@ -816,7 +837,8 @@ def init_sharded(transformed: Any, rng: Any, *args: Any, rules: Any = None,
                                       mesh=mesh, param_axes=param_axes,
                                       stack_axis=stack_axis, static_argnums=static_argnums,
                                       strict=strict, concrete=True)
-  return _adapt.jit_init(t.init, shardings, rules, mesh, *t.call_args)
+  with _placing():
+    return _adapt.jit_init(t.init, shardings, rules, mesh, *t.call_args)
 
 
 def explain(transformed: Any, rng: Any, *args: Any, rules: Any = None,
