@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -29,13 +30,53 @@ from partition import _context
 from partition._audit import audit_placement
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
-from partition._errors import MeshError, format_message
+from partition._errors import MeshError, PartitionError, format_message
 from partition._explain import explain as _explain
 from partition._logical_axes import abstract, logical_axes, unbox
 from partition._mesh import AnyMesh
 from partition._path_rules import PathMatch, as_path_rules
 from partition._resources import SerialLoop
 from partition._rules import AxisRules
+
+
+class AdapterTypeError(PartitionError, TypeError):
+  """An adapter entry point got the wrong kind of object (a class, a function, an int key)."""
+
+
+def describe_value(x: Any) -> str:
+  """``x`` in a few words for an error message: kind and a short repr."""
+  if isinstance(x, type):
+    return f"the class {x.__module__}.{x.__qualname__}"
+  if callable(x) and hasattr(x, "__qualname__"):
+    return f"the function {x.__qualname__}"
+  text = repr(x)
+  return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+
+
+def _is_key(x: Any) -> bool:
+  dtype = getattr(x, "dtype", None)
+  if dtype is None:
+    return False
+  if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    return True
+  return dtype == "uint32" and getattr(x, "shape", ())[-1:] == (2,)
+
+
+def check_rngs(rngs: Any, api: str) -> None:
+  """A PRNG key or a ``{name: key}`` dict, as ``module.init`` takes; else a clear error."""
+  if isinstance(rngs, Mapping):
+    bad = [f"{k!r}: {describe_value(v)}" for k, v in rngs.items()
+           if not isinstance(k, str) or not _is_key(v)]
+    if not bad:
+      return
+    what = "a dict with entries that are not 'name': key pairs (" + "; ".join(bad) + ")"
+  elif _is_key(rngs):
+    return
+  else:
+    what = describe_value(rngs)
+  raise AdapterTypeError(
+      f"{api}: rngs must be a PRNG key or a dict of them, got {what}. Pass "
+      "jax.random.key(0), or {'params': jax.random.key(0), 'dropout': jax.random.key(1)}.")
 
 
 def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import sys
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,20 +34,46 @@ from flax.core import meta
 
 from partition import _adapt
 from partition._constrain import constrain
+from partition._errors import format_message
 from partition._explain import ExplainReport
-from partition._logical_axes import LogicalAxesError
+from partition._logical_axes import LogicalAxesError, LogicalAxesTypeError, check_names
 from partition._mesh import AnyMesh
 from partition._path_rules import PathRules
 
 Axes = tuple[str | None, ...]
 
 
-def _abstract(module: nn.Module, rngs: Any, args: tuple, init_kwargs: dict,
-              rules, mesh, param_axes) -> tuple[Any, Any]:
+def _check_module(module: Any, api: str) -> None:
+  if isinstance(module, nn.Module):
+    return
+  if isinstance(module, type) and issubclass(module, nn.Module):
+    fix = f"Pass an instance, e.g. {module.__name__}(...) with its fields, not the class."
+  elif _is_nnx(module):
+    fix = "This is an NNX module: use partition.nnx.init_sharded(lambda: Model(...))."
+  elif callable(module):
+    fix = ("Pass a linen Module instance (e.g. nn.Dense(8)); for a Haiku function use "
+           "partition.haiku.init_sharded(hk.transform(f), ...).")
+  else:
+    fix = "Pass a linen Module instance, e.g. nn.Dense(8)."
+  raise _adapt.AdapterTypeError(f"{api}: module must be a flax.linen Module instance, got "
+                                f"{_adapt.describe_value(module)}. {fix}")
+
+
+def _is_nnx(x: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  return nnx is not None and (isinstance(x, nnx.Module) or (
+      isinstance(x, type) and issubclass(x, nnx.Module)))
+
+
+def _abstract(api: str, module: nn.Module, rngs: Any, args: tuple, init_kwargs: dict,
+              rules, mesh, param_axes) -> tuple[Any, Any, Any]:
+  _check_module(module, api)
+  _adapt.check_rngs(rngs, api)
   init = functools.partial(module.init, **init_kwargs)
   with _adapt.rules_context(rules, mesh):
     shapes = jax.eval_shape(init, rngs, *args)
-  return shapes, _adapt.apply_path_rules(shapes, param_axes)
+  axes, path_match = _adapt.match_axes(shapes, param_axes)
+  return shapes, axes, path_match
 
 
 def abstract_init(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
@@ -58,39 +85,49 @@ def abstract_init(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
   structure of the real variables: use it as a checkpoint-restore target or for memory
   reports. Arguments are those of :func:`init_sharded`; an abstract mesh is accepted.
   """
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.abstract_init",
-                                       concrete=False)
-  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
+  api = "partition.flax.abstract_init"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api, concrete=False)
+  shapes, axes, _ = _abstract(api, module, rngs, args, init_kwargs, rules, mesh, param_axes)
   return _adapt.sharded_abstract(shapes, axes, rules, mesh)
 
 
 def init_sharded(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
                  mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
-                 **init_kwargs: Any) -> Any:
+                 strict: bool = False, **init_kwargs: Any) -> Any:
   """``module.init(rngs, *args, **init_kwargs)`` with every variable created sharded.
 
   The variables are first traced with ``jax.eval_shape`` (no allocation), their logical
-  axes read (linen boxes, then ``param_axes`` for the rest) and resolved through ``rules``
-  on ``mesh``; then ``jax.jit(module.init, out_shardings=...)`` creates each one directly
-  in its shards. The model runs under the rules, so ``partition.constrain`` and
-  ``nn.with_logical_constraint`` inside it take effect.
+  axes read (linen boxes — ``nn.with_logical_partitioning`` names, ``nn.with_partitioning``
+  mesh axes —, T5X ``param_with_axes`` metadata, then ``param_axes`` for the rest; a short
+  tuple is a prefix, as in flax) and resolved through ``rules`` on ``mesh``; then
+  ``jax.jit(module.init, out_shardings=...)`` creates each one directly in its shards. The
+  model runs under the rules, so ``partition.constrain`` and ``nn.with_logical_constraint``
+  inside it take effect.
 
   Args:
-    module: a linen module.
+    module: a linen module instance.
     rngs: a PRNG key or a dict of keys, as for ``module.init``.
     *args: the init inputs.
     rules: an ``AxisRules`` (or pairs / a file path); default: ``partition.axis_rules``.
     mesh: a ``jax.sharding.Mesh``; default: the ``axis_rules`` mesh, then ``jax.set_mesh``.
-    param_axes: optional ``PathRules`` (or its pairs) giving axes to unannotated params.
+    param_axes: optional ``PathRules`` (or its pairs) giving axes to unannotated params;
+      ``PathRules(..., override=True)`` replaces the axes the model declares.
+    strict: raise one ``partition.PlacementError`` listing every logical name without a
+      rule, parameter no pattern matched, unused pattern, unknown mesh axis and dim no rule
+      divides. Otherwise one ``partition.ReplicatedWarning`` lists the large parameters
+      left fully replicated on a multi-device mesh.
     **init_kwargs: passed to ``module.init`` (``method=``, ``mutable=``, call kwargs).
 
   Returns:
     The variables (linen boxes kept) whose leaves are ``jax.Array``s with the resolved
     ``NamedSharding``.
   """
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.init_sharded")
-  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
-  shardings = _adapt.shardings_for(shapes, axes, rules, mesh)
+  api = "partition.flax.init_sharded"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api)
+  shapes, axes, path_match = _abstract(api, module, rngs, args, init_kwargs, rules, mesh,
+                                       param_axes)
+  shardings = _adapt.place(shapes, axes, rules, mesh, strict=strict, api=api,
+                           path_match=path_match)
   init = functools.partial(module.init, **init_kwargs)
   return _adapt.jit_init(init, shardings, rules, mesh, rngs, *args)
 
@@ -99,8 +136,9 @@ def explain(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
             mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
             **init_kwargs: Any) -> ExplainReport:
   """``partition.explain`` for ``module``'s variables: spec and bytes per device per leaf."""
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.flax.explain", concrete=False)
-  shapes, axes = _abstract(module, rngs, args, init_kwargs, rules, mesh, param_axes)
+  api = "partition.flax.explain"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api, concrete=False)
+  shapes, axes, _ = _abstract(api, module, rngs, args, init_kwargs, rules, mesh, param_axes)
   return _adapt.explain_tree(shapes, axes, rules, mesh)
 
 
@@ -123,10 +161,11 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
 
 def _check_rank(value: Any, axes: Axes, where: str) -> None:
   shape = getattr(value, "shape", None)
-  if shape is not None and len(shape) != len(axes):
+  if shape is not None and len(shape) < len(axes):
     raise LogicalAxesError(
         f"with_axes: {where} has shape {tuple(shape)} but was given logical axes {axes} "
-        f"({len(axes)} dims). Give one logical name (or None) per dim.")
+        f"({len(axes)} dims). Give at most one logical name (or None) per dim (a shorter "
+        "tuple leaves the trailing dims replicated, as in flax).")
 
 
 def _boxed_init(init_fn, axes: Axes, where: str):
@@ -140,14 +179,43 @@ def _boxed_init(init_fn, axes: Axes, where: str):
   return init
 
 
-def _check_names(cls: type, table: Mapping[str, Axes], created: list[str]) -> None:
-  missing = [n for n in table if n not in created]
-  if missing:
-    hints = [f"{n!r}" + (f" (did you mean {close[0]!r}?)" if (
-        close := difflib.get_close_matches(n, created, n=1)) else "") for n in missing]
-    raise LogicalAxesError(
-        f"with_axes({cls.__name__}): params= names {', '.join(hints)}, which "
-        f"{cls.__name__} does not create; it creates {created}. Use those names.")
+def _check_names(cls: type, table: Mapping[str, Axes], params: Mapping[str, Any]) -> None:
+  """Every name of ``table`` must be a param the module creates itself, not a sub-module."""
+  created = [n for n, v in params.items() if not isinstance(v, Mapping)]
+  submodules = [n for n, v in params.items() if isinstance(v, Mapping)]
+  problems = []
+  for n in table:
+    if n in submodules:
+      problems.append(
+          f"{n!r} is a sub-module of {cls.__name__}, not a param it creates: wrap the "
+          f"sub-module's class with with_axes, or give its params axes by path, e.g. "
+          f"param_axes=partition.PathRules([(r'{n}/kernel$', (...))])")
+    elif n not in created:
+      close = difflib.get_close_matches(n, created, n=1)
+      problems.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
+                      + f" is not a param of {cls.__name__}")
+  if problems:
+    raise LogicalAxesError(format_message(
+        f"with_axes({cls.__name__}): params= names {len(problems)} entry(ies) that "
+        f"{cls.__name__} does not create itself:", bullets=problems,
+        fix=f"Use the params it creates: {created}."))
+
+
+def _check_table(params: Any, output: Any) -> tuple[dict[str, Axes], Axes | None]:
+  """``params`` / ``output`` validated (a str is never split into letters)."""
+  if params is not None and not isinstance(params, Mapping):
+    raise LogicalAxesTypeError(
+        f"with_axes(params=...) takes a mapping {{param name: logical axes}}, got "
+        f"{_adapt.describe_value(params)}. Write e.g. params={{'kernel': ('embed', 'mlp')}}.")
+  table = {}
+  for k, v in (params or {}).items():
+    if not isinstance(k, str):
+      raise LogicalAxesTypeError(
+          f"with_axes(params=...): keys are param names (str), got {k!r}. Write e.g. "
+          "params={'kernel': ('embed', 'mlp')}.")
+    table[k] = check_names(v, f"with_axes(params={{{k!r}: ...}})")
+  out = None if output is None else check_names(output, "with_axes(output=...)")
+  return table, out
 
 
 def with_axes(module_cls: type | None = None, /, *,
@@ -170,7 +238,10 @@ def with_axes(module_cls: type | None = None, /, *,
 
   Raises:
     LogicalAxesError: at init, if a param gets axes of the wrong rank or ``params`` names
-      a param the module does not create.
+      a param the module does not create (a sub-module's name included: wrap the
+      sub-module's class instead, or use a path table).
+    LogicalAxesTypeError: at once, for axes given as a ``str`` (write ``('embed',)``),
+      non-str keys, or a ``module_cls`` that is not a linen Module class.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -181,13 +252,16 @@ def with_axes(module_cls: type | None = None, /, *,
     >>> partition.logical_axes(v)
     {'params': {'bias': ('mlp',), 'kernel': ('embed', 'mlp')}}
   """
-  table = {k: tuple(v) for k, v in (params or {}).items()}
-  out_axes = None if output is None else tuple(output)
+  table, out_axes = _check_table(params, output)
 
   def wrap(cls: type) -> type:
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-      raise TypeError(f"partition.flax.with_axes takes a linen Module class, got {cls!r}. "
-                      "For NNX modules use partition.nnx.with_axes.")
+      hint = ("For NNX modules use partition.nnx.with_axes." if _is_nnx(cls) else
+              f"Pass the class, e.g. with_axes({type(cls).__name__}, ...)."
+              if isinstance(cls, nn.Module) else "Pass a class such as nn.Dense.")
+      raise _adapt.AdapterTypeError(
+          f"partition.flax.with_axes takes a linen Module class, got "
+          f"{_adapt.describe_value(cls)}. {hint}")
 
     class Wrapped(cls):
       def param(self, name, init_fn, *init_args, unbox=True, **init_kwargs):
@@ -199,7 +273,7 @@ def with_axes(module_cls: type | None = None, /, *,
       def __call__(self, *args, **kwargs):
         y = super().__call__(*args, **kwargs)
         if table and self.is_initializing():
-          _check_names(cls, table, list(self.variables.get("params", {})))
+          _check_names(cls, table, self.variables.get("params", {}))
         return y if out_axes is None else constrain(y, out_axes)
 
     Wrapped.__name__, Wrapped.__qualname__ = cls.__name__, cls.__qualname__

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -144,16 +145,53 @@ def test_with_axes_as_decorator_replaces_declared_axes():
 
 
 def test_with_axes_errors():
-  Bad = partition.flax.with_axes(nn.Dense, params={"kernel": ("embed",)})
+  Bad = partition.flax.with_axes(nn.Dense, params={"kernel": ("embed", "mlp", "kv")})
   with pytest.raises(ValueError, match=r"param 'kernel' has shape \(4, 3\) but was given "
-                                       r"logical axes \('embed',\)"):
+                                       r"logical axes \('embed', 'mlp', 'kv'\)"):
     Bad(3).init(jax.random.key(0), jnp.ones((2, 4)))
   Typo = partition.flax.with_axes(nn.Dense, params={"kernal": ("embed", "mlp")})
-  with pytest.raises(ValueError, match=r"'kernal' \(did you mean 'kernel'\?\), which Dense "
-                                       r"does not create"):
+  with pytest.raises(ValueError, match=r"'kernal' \(did you mean 'kernel'\?\) is not a param "
+                                       r"of Dense"):
     Typo(3).init(jax.random.key(0), jnp.ones((2, 4)))
-  with pytest.raises(TypeError, match="use partition.nnx.with_axes"):
+  with pytest.raises(TypeError, match="Pass a class such as nn.Dense"):
     partition.flax.with_axes(int, params={})
+  with pytest.raises(TypeError, match=r"got the class flax.nnx.*use partition.nnx.with_axes"):
+    partition.flax.with_axes(nnx.Linear, params={})
+  with pytest.raises(TypeError, match=r"Pass the class, e.g. with_axes\(Dense, ...\)"):
+    partition.flax.with_axes(nn.Dense(3), params={})
+  with pytest.raises(TypeError, match=r"got the str 'em'. Write \('em',\) for one dim"):
+    partition.flax.with_axes(nn.Dense, params={"kernel": "em"})
+  with pytest.raises(TypeError, match=r"keys are param names \(str\), got 0"):
+    partition.flax.with_axes(nn.Dense, params={0: ("embed", "mlp")})
+
+
+def test_with_axes_on_a_sub_module_name_is_an_error_naming_it():
+  Attn = partition.flax.with_axes(nn.MultiHeadDotProductAttention,
+                                  params={"query": ("embed", "heads", "kv")})
+  x = jnp.ones((2, 3, 8))
+  with pytest.raises(ValueError, match=r"'query' is a sub-module of "
+                                       r"MultiHeadDotProductAttention, not a param") as e:
+    Attn(num_heads=2, qkv_features=8).init(jax.random.key(0), x)
+  assert "PathRules([(r'query/kernel$'" in str(e.value)
+
+
+def test_init_sharded_argument_errors():
+  mesh = _mesh((4, 2), AxisType.Auto)
+  x = jnp.ones((8, 8))
+  cases = [
+      ((Block, jax.random.key(0)), r"got the class .*Block. Pass an instance"),
+      ((lambda x: x, jax.random.key(0)), r"got the function .*Pass a linen Module instance"),
+      ((Block(), 0), r"rngs must be a PRNG key or a dict of them, got int 0. Pass "
+                     r"jax.random.key\(0\)"),
+      ((Block(), {"params": 1}), r"'params': int 1"),
+  ]
+  for (module, rngs), match in cases:
+    with pytest.raises(TypeError, match=match) as e:
+      partition.flax.init_sharded(module, rngs, x, rules=RULES, mesh=mesh)
+    assert isinstance(e.value, partition.PartitionError)
+  nnx_model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"This is an NNX module: use partition.nnx.init_sharded"):
+    partition.flax.explain(nnx_model, jax.random.key(0), x, rules=RULES, mesh=mesh)
 
 
 @pytest.mark.parametrize("context", [partition.axis_rules, partition.flax.axis_rules],
