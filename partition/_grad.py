@@ -147,6 +147,7 @@ class _Config:
     rules, mesh = self.context()
     if rules is None or not isinstance(mesh, jax.sharding.Mesh):
       return params, batch
+    _BatchPlan.build(self, batch, rules, mesh)  # validates batch_axes against the batch
     specs = _param_specs(self.param_axes, params, rules, mesh)
     params = jax.tree.map(lambda s, sub: _commit(sub, mesh, s), specs, params, is_leaf=_is_spec)
     axes = _broadcast_axes(self.batch_axes, batch)
@@ -167,7 +168,10 @@ class _Config:
       rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
 
     def per_micro(params, micro_batch, *rest):
-      with axis_rules(rules, None if mesh is None or _mesh.explicit_axes(mesh) else mesh) \
+      # The model's constraints use the mesh in context at this point: on Explicit meshes
+      # that is xmap's Auto region, whose axis types are the ones that apply.
+      traced_mesh = jax.sharding.get_abstract_mesh()
+      with axis_rules(rules, mesh if traced_mesh.empty else traced_mesh) \
           if rules is not None else _nullcontext():
         return jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, micro_batch,
                                                                       *rest)
@@ -326,10 +330,11 @@ def _param_specs(param_axes, params, rules, mesh):
   if rules is None or mesh is None:
     return None
   from partition._logical_axes import logical_axes
+  from partition._path_rules import PathRules
   if param_axes is None:
     param_axes = logical_axes(params)
-  elif hasattr(param_axes, "apply") and not isinstance(param_axes, (dict, list, tuple)):
-    param_axes = param_axes.apply(params)  # a PathRules table
+  elif isinstance(param_axes, PathRules):
+    param_axes = param_axes.axes(params)
   try:
     structure = jax.tree_util.tree_structure(param_axes, is_leaf=is_axes_leaf)
     subtrees = structure.flatten_up_to(params)

@@ -54,7 +54,7 @@ def stated_entries(plan: Plan, spec: AxisSpec, positional_shape: Sequence[int], 
     return None
   n = len(positional_shape)
   if isinstance(sharding, Logical):
-    if rules is None:
+    if rules is None and any(sharding.names):
       raise ResourceError(format_message(
           f"xmap({fun}): {where} is {sharding!r}, but there are no rules to resolve "
           "logical axes.",
@@ -66,7 +66,7 @@ def stated_entries(plan: Plan, spec: AxisSpec, positional_shape: Sequence[int], 
           f"the value has {n} positional dims (shape {tuple(positional_shape)}).",
           fix="Give one logical name (or None) per positional dim (named dims excluded)."))
     names = sharding.names + (None,) * (n - len(sharding.names))
-    entries = tuple(rules.spec(names, tuple(positional_shape), plan.mesh))
+    entries = tuple(rules.spec(names, tuple(positional_shape), plan.mesh)) if any(names) else ()
   else:
     if len(sharding) > n:
       raise ResourceError(format_message(

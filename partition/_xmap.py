@@ -164,12 +164,13 @@ class XMapped:
   def _prepare(self, args):
     # Hot path: one C++ flatten and a dict lookup; specs are re-read only on a miss.
     leaves, treedef = jax.tree_util.tree_flatten(args)
-    mesh = _mesh.current_mesh(self._mesh)
+    mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
     rules = self._rules()
     key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
     hit = self._cache.get(key)
     if hit is None:
       _check_call(leaves, len(args), self._donate, self._name)
+      _check_context_mesh(self._mesh, self._name)
       leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
       plan = self._plan(leaves, specs, paths, mesh)
       hit = self._cache[key] = self._compile(plan, treedef, leaves, specs, paths, rules)
@@ -203,8 +204,15 @@ class XMapped:
 
   def _compile(self, plan: Plan, in_treedef, leaves, specs, paths, rules):
     mesh = plan.mesh
-    has_mesh = bool(plan.mesh_axes) or any(s.sharding is not None for s in specs)
     name = self._name
+    stating = [s for s in list(specs) + [placed(o) for o in self._out_specs]
+               if s.sharding is not None]
+    if stating and mesh is None:
+      raise MeshError(format_message(
+          f"xmap({name}): {stating[0].user_repr} states a sharding, but there is no mesh.",
+          fix="Pass mesh=jax.make_mesh(...) to xmap, or call it under "
+              "`with jax.set_mesh(mesh):`."))
+    has_mesh = bool(plan.mesh_axes) or bool(stating)
     stated = [_placement.stated_entries(plan, s, _positional_shape(x, s), rules,
                                         f"in_axes for argument{p}", name)
               for x, s, p in zip(leaves, specs, paths)] if has_mesh else [None] * len(specs)
@@ -217,10 +225,6 @@ class XMapped:
                 if has_mesh and _mesh.explicit_axes(mesh) else [])
 
     def state_outputs(spec, shape, path):
-      if not has_mesh and spec.sharding is not None:
-        raise MeshError(f"xmap({name}): out_axes for output{path} states the sharding "
-                        f"{spec.user_repr}, but there is no mesh. Pass mesh= or use "
-                        "jax.set_mesh(mesh).")
       return _placement.stated_entries(plan, spec, shape, rules, f"out_axes for output{path}",
                                        name) if has_mesh else None
 
@@ -343,6 +347,25 @@ def _check_donate(donate_argnums: Any, name: str) -> tuple[int, ...]:
     raise SpecError(f"xmap({name}): donate_argnums must be non-negative ints (positions of "
                     f"arguments), got {donate_argnums!r}; e.g. donate_argnums=(0,).")
   return tuple(int(n) for n in nums)
+
+
+def _check_context_mesh(mesh, name: str) -> None:
+  """``mesh=`` must agree with a ``jax.set_mesh`` mesh in context (JAX otherwise fails with
+  a bare AssertionError or "incompatible devices"). Inside an enclosing xmap the context is
+  that xmap's own Auto region, which is expected to differ in axis types."""
+  if mesh is None or _enclosing.axes:
+    return
+  context = jax.sharding.get_abstract_mesh()
+  if context.empty:
+    return
+  mine = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+  if (dict(mine.shape), tuple(mine.axis_types)) != (dict(context.shape),
+                                                    tuple(context.axis_types)):
+    raise MeshError(format_message(
+        f"xmap({name}): mesh= and the mesh in context (jax.set_mesh) differ.",
+        context=[f"mesh=: {_mesh.describe(mine)}", f"context: {_mesh.describe(context)}"],
+        fix="Pass the same mesh to both (same axes, sizes and AxisTypes), or drop mesh= to "
+            "use the context mesh."))
 
 
 def _check_call(leaves, n_args: int, donate, name) -> None:
@@ -492,6 +515,7 @@ class _Enclosing(threading.local):
   def __init__(self):
     self.axes: tuple[str, ...] = ()
     self.mesh_axes: dict[str, str] = {}  # mesh axis -> the enclosing named axis on it
+    self.mesh = None  # the enclosing xmap's mesh: nested xmaps default to it
 
 
 _enclosing = _Enclosing()
@@ -504,14 +528,16 @@ class _tracing:
   def __init__(self, plan: Plan):
     self.axes = tuple(plan.axes)
     self.mesh_axes = {m: n for n, ax in plan.axes.items() for m in ax.mesh_axes}
+    self.mesh = plan.mesh
 
   def __enter__(self):
-    self.saved = (_enclosing.axes, _enclosing.mesh_axes)
+    self.saved = (_enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh)
     _enclosing.axes = self.saved[0] + self.axes
     _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
+    _enclosing.mesh = self.mesh or self.saved[2]
 
   def __exit__(self, *exc):
-    _enclosing.axes, _enclosing.mesh_axes = self.saved
+    _enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh = self.saved
 
 
 def _check_not_shadowing(plan: Plan, name: str) -> None:
