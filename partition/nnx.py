@@ -23,6 +23,7 @@ P('data', 'tensor')
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ from partition import _adapt
 from partition._constrain import constrain
 from partition._context import current_rules, current_rules_mesh
 from partition._explain import ExplainReport
-from partition._logical_axes import LogicalAxesError
+from partition._logical_axes import LogicalAxesError, LogicalAxesTypeError, check_names
 from partition._mesh import AnyMesh
 from partition._path_rules import PathRules
 
@@ -45,11 +46,34 @@ def _build(init_fn: Callable[..., nnx.Module], args: tuple, kwargs: dict) -> nnx
     return init_fn(*args, **kwargs)
 
 
-def _abstract(init_fn, args, kwargs, rules, mesh, param_axes):
+def _check_init_fn(init_fn: Any, api: str) -> None:
+  if isinstance(init_fn, nnx.Module):
+    raise _adapt.AdapterTypeError(
+        f"{api}: init_fn must build the module, got an already built "
+        f"{type(init_fn).__name__} instance. Pass a function that builds it, e.g. "
+        f"lambda: {type(init_fn).__name__}(..., rngs=nnx.Rngs(0)), so that its Variables "
+        "are created directly in their shards.")
+  linen = sys.modules.get("flax.linen")
+  if linen is not None and (isinstance(init_fn, linen.Module) or (
+      isinstance(init_fn, type) and issubclass(init_fn, linen.Module))):
+    raise _adapt.AdapterTypeError(
+        f"{api}: got the linen module {_adapt.describe_value(init_fn)}. Use "
+        "partition.flax.init_sharded(module, rng, *inputs) for linen modules.")
+  if not callable(init_fn):
+    raise _adapt.AdapterTypeError(
+        f"{api}: init_fn must be a function (or NNX Module class) that builds the module, "
+        f"got {_adapt.describe_value(init_fn)}. Pass e.g. lambda: nnx.Linear(4, 8, "
+        "rngs=nnx.Rngs(0)).")
+
+
+def _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes):
+  """``(graphdef, state, axes, PathMatch, rules)``; rules gain NNX's mesh-axis pass-through."""
+  _check_init_fn(init_fn, api)
   with _adapt.rules_context(rules, mesh):
     model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
   graphdef, state = nnx.split(model)
-  return graphdef, state, _adapt.apply_path_rules(state, param_axes)
+  axes, path_match = _adapt.match_axes(state, param_axes)
+  return graphdef, state, axes, path_match, _adapt.passthrough_rules(rules, mesh)
 
 
 def abstract_init(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
@@ -61,21 +85,25 @@ def abstract_init(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = N
   holds a ``ShapeDtypeStruct`` with its ``NamedSharding``. Nothing is allocated. Use it as
   a checkpoint-restore target (``nnx.merge(graphdef, restored)``) or for memory reports.
   """
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.abstract_init",
-                                       concrete=False)
-  graphdef, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
+  api = "partition.nnx.abstract_init"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api, concrete=False)
+  graphdef, state, axes, _, rules = _abstract(api, init_fn, args, kwargs, rules, mesh,
+                                              param_axes)
   return graphdef, _adapt.sharded_abstract(state, axes, rules, mesh)
 
 
 def init_sharded(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
                  mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
-                 **kwargs: Any) -> nnx.Module:
+                 strict: bool = False, **kwargs: Any) -> nnx.Module:
   """Builds ``init_fn(*args, **kwargs)`` with every Variable created in its sharding.
 
   The NNX counterpart of ``partition.flax.init_sharded``: the model is first built with
   ``nnx.eval_shape`` (no allocation), its logical axes read (``out_sharding`` metadata,
-  then ``param_axes`` for the rest) and resolved through ``rules`` on ``mesh``; then its
-  state is created under ``jax.jit(out_shardings=...)`` and merged back into a module.
+  then ``param_axes`` for the rest; a short tuple is a prefix) and resolved through
+  ``rules`` on ``mesh``; then its state is created under ``jax.jit(out_shardings=...)``
+  and merged back into a module. As in flax NNX (``rules.get(name, name)``), an
+  ``out_sharding`` name without a rule that is a mesh axis is that mesh axis (flax's
+  sharding guides write mesh axes there directly).
 
   Args:
     init_fn: builds the module, e.g. ``lambda: MLP(rngs=nnx.Rngs(0))``. Create the
@@ -84,16 +112,22 @@ def init_sharded(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = No
     rules: an ``AxisRules`` (or pairs / a file path); default: ``partition.axis_rules``.
     mesh: a ``jax.sharding.Mesh``; default: the ``axis_rules`` mesh, then ``jax.set_mesh``.
     param_axes: optional ``PathRules`` for Variables without ``out_sharding`` (paths as in
-      ``nnx.state``, e.g. ``layers/0/kernel``).
+      ``nnx.state``, e.g. ``layers/0/kernel``); ``override=True`` replaces declared axes.
+    strict: raise one ``partition.PlacementError`` listing every name without a rule (nor
+      mesh axis), unmatched path, unused pattern and indivisible dim; otherwise one
+      ``partition.ReplicatedWarning`` lists large Variables left fully replicated.
     **kwargs: passed to ``init_fn``.
 
   Returns:
     The module; every Variable holds a ``jax.Array`` with the resolved ``NamedSharding``.
     On an Explicit mesh, call it under ``jax.set_mesh(mesh)``.
   """
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.init_sharded")
-  graphdef, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
-  shardings = _adapt.shardings_for(state, axes, rules, mesh)
+  api = "partition.nnx.init_sharded"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api)
+  graphdef, state, axes, path_match, nnx_rules = _abstract(api, init_fn, args, kwargs, rules,
+                                                           mesh, param_axes)
+  shardings = _adapt.place(state, axes, nnx_rules, mesh, strict=strict, api=api,
+                           path_match=path_match)
   new_state = _adapt.jit_init(lambda: nnx.state(_build(init_fn, args, kwargs)), shardings,
                               rules, mesh)
   return nnx.merge(graphdef, new_state)
@@ -102,9 +136,13 @@ def init_sharded(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = No
 def explain(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
             mesh: AnyMesh | None = None, param_axes: PathRules | Any = None,
             **kwargs: Any) -> ExplainReport:
-  """``partition.explain`` for the model's state: spec and bytes per device per Variable."""
-  rules, mesh = _adapt.need_rules_mesh(rules, mesh, "partition.nnx.explain", concrete=False)
-  _, state, axes = _abstract(init_fn, args, kwargs, rules, mesh, param_axes)
+  """``partition.explain`` for the model's state: spec and bytes per device per Variable.
+
+  PRNG keys and counters of ``nnx.Rngs`` are listed with their dtype (``key<fry>``).
+  """
+  api = "partition.nnx.explain"
+  rules, mesh = _adapt.need_rules_mesh(rules, mesh, api, concrete=False)
+  _, state, axes, _, rules = _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes)
   return _adapt.explain_tree(state, axes, rules, mesh)
 
 
@@ -134,10 +172,11 @@ def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
     if not isinstance(var, nnx.Variable):
       raise _unknown_variable(cls, name, created)
     shape = getattr(var.get_value(), "shape", ())
-    if len(shape) != len(axes):
+    if len(shape) < len(axes):
       raise LogicalAxesError(
           f"with_axes({cls.__name__}): Variable {name!r} has shape {tuple(shape)} but was "
-          f"given logical axes {axes} ({len(axes)} dims). Give one name (or None) per dim.")
+          f"given logical axes {axes} ({len(axes)} dims). Give at most one name (or None) "
+          "per dim (a shorter tuple leaves the trailing dims replicated).")
     var.set_metadata("out_sharding", axes)
     if nnx.using_eager_sharding() and current_rules() is not None and (
         current_rules_mesh() is not None):
@@ -150,6 +189,23 @@ def _unknown_variable(cls: type, name: str, created: list[str]) -> LogicalAxesEr
   return LogicalAxesError(
       f"with_axes({cls.__name__}): params= names {name!r}{hint}, which is not a Variable "
       f"of {cls.__name__}; its Variables are {created}. Use those names.")
+
+
+def _check_table(params: Any, output: Any) -> tuple[dict[str, Axes], Axes | None]:
+  """``params`` / ``output`` validated (a str is never split into letters)."""
+  if params is not None and not isinstance(params, Mapping):
+    raise LogicalAxesTypeError(
+        f"with_axes(params=...) takes a mapping {{Variable name: logical axes}}, got "
+        f"{_adapt.describe_value(params)}. Write e.g. params={{'kernel': ('embed', 'mlp')}}.")
+  table = {}
+  for k, v in (params or {}).items():
+    if not isinstance(k, str):
+      raise LogicalAxesTypeError(
+          f"with_axes(params=...): keys are Variable names (str), got {k!r}. Write e.g. "
+          "params={'kernel': ('embed', 'mlp')}.")
+    table[k] = check_names(v, f"with_axes(params={{{k!r}: ...}})")
+  out = None if output is None else check_names(output, "with_axes(output=...)")
+  return table, out
 
 
 def with_axes(module_cls: type | None = None, /, *,
@@ -176,13 +232,18 @@ def with_axes(module_cls: type | None = None, /, *,
     >>> partition.logical_axes(Linear(2, 3, rngs=nnx.Rngs(0)))['kernel']
     ('embed', 'mlp')
   """
-  table = {k: tuple(v) for k, v in (params or {}).items()}
-  out_axes = None if output is None else tuple(output)
+  table, out_axes = _check_table(params, output)
 
   def wrap(cls: type) -> type:
     if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
-      raise TypeError(f"partition.nnx.with_axes takes an nnx.Module class, got {cls!r}. "
-                      "For linen modules use partition.flax.with_axes.")
+      linen = sys.modules.get("flax.linen")
+      is_linen = linen is not None and isinstance(cls, type) and issubclass(cls, linen.Module)
+      hint = ("For linen modules use partition.flax.with_axes." if is_linen else
+              f"Pass the class, e.g. with_axes({type(cls).__name__}, ...)."
+              if isinstance(cls, nnx.Module) else "Pass a class such as nnx.Linear.")
+      raise _adapt.AdapterTypeError(
+          f"partition.nnx.with_axes takes an nnx.Module class, got "
+          f"{_adapt.describe_value(cls)}. {hint}")
 
     class Wrapped(cls):
       def __init__(self, *args, **kwargs):

@@ -2,6 +2,7 @@
 
 import warnings
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -116,10 +117,32 @@ def test_with_axes_errors():
     partition.nnx.with_axes(nnx.Linear, params={"kernal": ("a", "b")})(2, 3,
                                                                        rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"Variable 'kernel' has shape \(2, 3\) but was given "
-                                       r"logical axes \('a',\)"):
-    partition.nnx.with_axes(nnx.Linear, params={"kernel": ("a",)})(2, 3, rngs=nnx.Rngs(0))
-  with pytest.raises(TypeError, match="use partition.flax.with_axes"):
+                                       r"logical axes \('a', 'b', 'c'\)"):
+    partition.nnx.with_axes(nnx.Linear, params={"kernel": ("a", "b", "c")})(
+        2, 3, rngs=nnx.Rngs(0))
+  short = partition.nnx.with_axes(nnx.Linear, params={"kernel": ("a",)})(2, 3,
+                                                                         rngs=nnx.Rngs(0))
+  assert partition.logical_axes(short)["kernel"] == ("a", None)
+  with pytest.raises(TypeError, match="Pass a class such as nnx.Linear"):
     partition.nnx.with_axes(dict)
+  with pytest.raises(TypeError, match="use partition.flax.with_axes"):
+    partition.nnx.with_axes(nn.Dense)
+  with pytest.raises(TypeError, match=r"got the str 'em'. Write \('em',\) for one dim"):
+    partition.nnx.with_axes(nnx.Linear, params={"kernel": "em"})
+  with pytest.raises(TypeError, match=r"keys are Variable names \(str\), got 1"):
+    partition.nnx.with_axes(nnx.Linear, params={1: ("a", "b")})
+
+
+def test_init_sharded_argument_errors():
+  model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+  with pytest.raises(TypeError, match=r"got an already built Linear instance. Pass a "
+                                      r"function that builds it") as e:
+    partition.nnx.init_sharded(model, rules=RULES, mesh=_mesh())
+  assert isinstance(e.value, partition.PartitionError)
+  with pytest.raises(TypeError, match=r"Use partition.flax.init_sharded"):
+    partition.nnx.explain(nn.Dense(3), rules=RULES, mesh=_mesh())
+  with pytest.raises(TypeError, match=r"init_fn must be a function.*got int 3"):
+    partition.nnx.init_sharded(3, rules=RULES, mesh=_mesh())
 
 
 def test_path_table_for_stock_modules_and_annotate():
