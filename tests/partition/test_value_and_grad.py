@@ -176,14 +176,13 @@ def test_rng_is_folded_per_microbatch():
   per_device = 8 // 2
   micro = [np.concatenate([np.arange(d * per_device, (d + 1) * per_device)[j::k]
                            for d in range(2)]) for j in range(k)]
-  refs = [jax.value_and_grad(dropout_loss)(params, jax.tree.map(lambda a: a[m], batch),
-                                           jax.random.fold_in(rng, j))
+  rows = lambda m: jax.tree.map(lambda a: a[m], batch)
+  refs = [jax.value_and_grad(dropout_loss)(params, rows(m), jax.random.fold_in(rng, j))
           for j, m in enumerate(micro)]
   ref = jax.tree.map(lambda *xs: sum(xs) / k, *refs)
   _assert_close((loss, grads), ref)
   # and the masks really differ between micro-batches: not the same as one shared key
-  same = [jax.value_and_grad(dropout_loss)(params, jax.tree.map(lambda a: a[m], batch), rng)
-          for m in micro]
+  same = [jax.value_and_grad(dropout_loss)(params, rows(m), rng) for m in micro]
   assert not np.allclose(loss, sum(s[0] for s in same) / k)
 
 
