@@ -501,10 +501,11 @@ def _check_xmap_names(names: Any, sizes: Any, api: str
         problems.append(f"sizes key {short(k)} is not an axis name (str)")
       elif _positive_int(v) is None:
         problems.append(f"sizes[{k!r}] is {short(v)}; a size is a positive int")
-    size_list = [None if sizes.get(n) is None else _positive_int(sizes[n]) for n in names]
   if problems:
     raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=problems,
                                         fix="Pass names=['batch', ...] and sizes={'batch': 8}."))
+  if sizes is not None:
+    size_list = [None if sizes.get(n) is None else _positive_int(sizes[n]) for n in names]
   return names, size_list
 
 
