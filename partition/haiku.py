@@ -51,7 +51,7 @@ from partition._logical_axes import (
   Annotated,
   LogicalAxesError,
   abstract,
-  rank_mismatch,
+  fit_rank,
   unbox,
 )
 from partition._mesh import AnyMesh, explicit_axes
@@ -300,12 +300,13 @@ def _active() -> bool:
 
 
 def _constrain_var(value: jax.Array, axes: Axes) -> jax.Array:
-  """Constrains a param / state value; inside ``hk.layer_stack``'s scan it is one layer's
-  slice, so a table entry spelled for the stacked array keeps only its trailing axes."""
+  """Constrains a param / state value (short axes are a prefix, as in flax); inside
+  ``hk.layer_stack``'s scan it is one layer's slice, so a table entry spelled for the stacked
+  array keeps only its trailing axes."""
   ndim = jnp.ndim(value)
   if len(axes) > ndim:
     axes = axes[len(axes) - ndim:]
-  return constrain(value, axes) if len(axes) == ndim else value
+  return constrain(value, tuple(axes) + (None,) * (ndim - len(axes)))
 
 
 # -- declaring axes inside a transform ---------------------------------------------------------
@@ -646,11 +647,11 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
   entry = created.get((kind, name))
   shape = tuple(leaf.shape)
   lead = _stacked_dims(shape, entry.shape) if entry is not None else 0
-  if entry is not None and entry.axes is not None:
+  hit = None if m.table is None else m.table.lookup(name)
+  if entry is not None and entry.axes is not None and (hit is None or not m.table.override):
     axes, source = entry.axes, "the model declares"
     m.declared.append(shown)
   elif m.table is not None:
-    hit = m.table.lookup(name)
     if hit is None:
       m.unmatched.append(shown)
       return None
@@ -660,14 +661,17 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
       return None
   else:
     return None
-  if lead and len(axes) == len(shape) - lead:
-    return (m.stack_axis,) * lead + tuple(axes)
-  if rank_mismatch(axes, leaf) is None:
-    return tuple(axes)
+  per_layer = len(shape) - lead
+  if lead and len(axes) <= per_layer:
+    # Per-layer axes (a short tuple is a prefix, as in flax); the stacked dims go in front.
+    return (m.stack_axis,) * lead + tuple(axes) + (None,) * (per_layer - len(axes))
+  fitted, mismatch = fit_rank(axes, leaf)
+  if mismatch is None and (not lead or len(axes) == len(shape)):
+    return tuple(fitted)
   detail = ""
   if lead:
     detail = (f"; it is stacked by hk.layer_stack (or a lifted scan): {lead} leading dim(s) "
-              f"over per-layer shape {shape[lead:]}, so give {len(shape) - lead} per-layer "
+              f"over per-layer shape {shape[lead:]}, so give at most {per_layer} per-layer "
               f"names (the stacked dim gets {m.stack_axis!r}) or all {len(shape)}")
   m.problems.append(f"{shown}: {source} {tuple(axes)} ({len(axes)} names) but it has shape "
                     f"{shape}{detail}")
