@@ -299,3 +299,19 @@ def test_without_rules_or_mesh_it_is_plain_accumulation():
   params, batch = _problem()
   step = partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, microbatches=4)
   _assert_close(step(params, batch), jax.value_and_grad(mlp_loss)(params, batch))
+
+
+def test_model_with_hard_coded_sharding_constraint():
+  """A model that pins its activations with with_sharding_constraint(y, P('data', None))
+  (inside plain xmap this fails: vmap's spmd_axis_name cannot appear in the spec)."""
+  mesh, rules = _mesh(), partition.AxisRules(TABLES["dp"])
+  params, batch = _problem()
+
+  def loss(params, batch):
+    h = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
+    h = jax.lax.with_sharding_constraint(h, NamedSharding(mesh, P("data", None)))
+    return jnp.mean((h @ params["w2"] - batch["y"]) ** 2)
+
+  step = partition.value_and_grad(loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
+                                  rules=rules, mesh=mesh, microbatches=2)
+  _assert_close(step(params, batch), jax.value_and_grad(loss)(params, batch))
