@@ -1,0 +1,143 @@
+"""Transformers in linen, NNX and Haiku: same logits, logical axes, masks, scan and remat."""
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from layers_testlib import (
+    FRAMEWORKS,
+    TARGETS,
+    TOKENS,
+    VOCAB,
+    build,
+    canonical_axes,
+    config,
+    loss_fn,
+)
+
+import layers
+import partition
+import partition.haiku
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _close(a, b, **tol):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), **(tol or TOL))
+
+
+def _close_trees(a, b):
+  assert sorted(a) == sorted(b)
+  for name in a:
+    _close(a[name], b[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("experts", [0, 4])
+def test_three_frameworks_give_the_same_logits_from_canonical_weights(scan, experts):
+  cfg = config(scan_layers=scan, num_experts=experts)
+  models = {f: build(f, cfg, seed=i) for i, f in enumerate(FRAMEWORKS)}
+  weights = layers.to_canonical(models["linen"].params)
+  ref = models["linen"].apply(models["linen"].params, TOKENS)
+  for name in ("nnx", "haiku"):
+    m = models[name]
+    assert sorted(layers.to_canonical(m.params)) == sorted(weights)
+    params = layers.from_canonical(weights, like=m.params)
+    _close(m.apply(params, TOKENS), ref)
+
+
+def _axes(framework, cfg):
+  m = build(framework, cfg)
+  if framework == "haiku":
+    return partition.haiku.eval_axes(m.init, jax.random.key(0), TOKENS), m.params
+  return partition.logical_axes(m.params), m.params
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_every_parameter_has_logical_axes_of_the_right_rank(scan):
+  cfg = config(scan_layers=scan, num_experts=4)
+  per_framework = {}
+  for framework in FRAMEWORKS:
+    axes, params = _axes(framework, cfg)
+    shapes = {k: np.shape(v) for k, v in layers.to_canonical(params).items()}
+    named = canonical_axes(axes)
+    assert sorted(named) == sorted(shapes), framework
+    for name, a in named.items():
+      assert a is not None and len(a) == len(shapes[name]), (framework, name, a)
+      assert set(a) <= set(VOCAB), (framework, name, a)
+      assert (a[0] == "layers") == name.startswith("blocks/"), (framework, name, a)
+    per_framework[framework] = named
+  assert per_framework["linen"] == per_framework["nnx"] == per_framework["haiku"]
+  named = per_framework["linen"]
+  assert named["blocks/attn/query/kernel"] == ("layers", "embed", "heads", "head_dim")
+  assert named["blocks/attn/key/kernel"] == ("layers", "embed", "kv_heads", "head_dim")
+  assert named["blocks/moe/wi_gate"] == ("layers", "expert", "embed", "mlp")
+  assert named["embed/embedding"] == ("vocab", "embed")
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_changing_a_future_token_never_changes_earlier_logits(framework):
+  m = build(framework, config())
+  logits = m.apply(m.params, TOKENS)
+  changed = m.apply(m.params, TOKENS.at[:, 5].set((TOKENS[:, 5] + 1) % 64))
+  _close(changed[:, :5], logits[:, :5])
+  assert np.abs(np.asarray(changed[:, 5:] - logits[:, 5:])).min(axis=-1).max() > 1e-4
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_padding_mask_hides_padded_tokens(framework):
+  m = build(framework, config())
+  valid = jnp.arange(8)[None, :] >= 3            # left padding: positions 0..2 are pads
+  valid = jnp.broadcast_to(valid, TOKENS.shape)
+  logits = m.apply(m.params, TOKENS, valid=valid)
+  other = m.apply(m.params, TOKENS.at[:, :3].set(7), valid=valid)
+  _close(other[:, 3:], logits[:, 3:])
+  unmasked = m.apply(m.params, TOKENS.at[:, :3].set(7))
+  assert np.abs(np.asarray(unmasked[:, 3:] - logits[:, 3:])).max() > 1e-4
+
+
+def _value_and_canonical_grad(m, params):
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn(m)))(params, TOKENS, TARGETS)
+  return loss, layers.to_canonical(grads)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_scanned_equals_unrolled(framework):
+  unrolled, scanned = build(framework, config()), build(framework, config(scan_layers=True))
+  weights = layers.to_canonical(unrolled.params)
+  loaded = layers.from_canonical(weights, like=scanned.params)
+  _close(scanned.apply(loaded, TOKENS), unrolled.apply(unrolled.params, TOKENS))
+  loss_u, grads_u = _value_and_canonical_grad(unrolled, unrolled.params)
+  loss_s, grads_s = _value_and_canonical_grad(scanned, loaded)
+  _close(loss_s, loss_u)
+  _close_trees(grads_s, grads_u)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("scan,remat", [(True, "full"), (False, "dots")])
+def test_remat_equals_no_remat(framework, scan, remat):
+  plain = build(framework, config(scan_layers=scan))
+  rematted = build(framework, config(scan_layers=scan, remat=remat))
+  loaded = layers.from_canonical(layers.to_canonical(plain.params), like=rematted.params)
+  loss_p, grads_p = _value_and_canonical_grad(plain, plain.params)
+  loss_r, grads_r = _value_and_canonical_grad(rematted, loaded)
+  _close(loss_r, loss_p)
+  _close_trees(grads_r, grads_p)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_moe_transformer_reports_aux_losses(framework):
+  cfg = config(num_experts=4, experts_per_token=2, scan_layers=framework == "nnx")
+  m = build(framework, cfg)
+  logits, aux = m.apply(m.params, TOKENS, return_aux=True)
+  assert logits.shape == (4, 8, 64)
+  assert aux["dropped_tokens"].dtype == jnp.int32
+  assert 0 <= int(aux["dropped_tokens"]) <= 2 * 4 * 8 * 2     # layers x tokens x k
+  assert float(aux["load_balance_loss"]) >= 1.0 - 1e-6        # >= 1, == 1 when balanced
+
+
+def test_haiku_transformer_is_named_transformer():
+  f = hk.transform(lambda t: layers.haiku.Transformer(config())(t))
+  params = jax.eval_shape(f.init, jax.random.key(0), TOKENS)
+  assert "transformer/embed" in params and "transformer/blocks_1/attn/query" in params
