@@ -24,6 +24,9 @@ from partition._grad import value_and_grad as value_and_grad
 # --- rules engine (issue 3) ---
 from partition._config import ConfigError as ConfigError
 from partition._config import RulesError as RulesError
+from partition._config import RulesTypeError as RulesTypeError
+from partition._config import ConfigTypeError as ConfigTypeError
+from partition._io import FileError as FileError
 from partition._constrain import NoRulesError as NoRulesError
 from partition._constrain import constrain as constrain
 from partition._context import axis_rules as axis_rules

@@ -8,6 +8,7 @@ text that names the offending token and the fix.
 import json
 import os
 import pathlib
+import re
 import stat
 
 import flax.linen as nn
@@ -458,3 +459,44 @@ def test_from_dict_key_and_many_unknown_keys():
     AxisRules.from_dict(junk)
   assert "50 unknown keys ('k0', 'k1', 'k2', ...)" in str(e.value)
   assert str(e.value).count("\n  * ") == 1
+
+
+# -- docs/errors.md ---------------------------------------------------------------------------
+
+ERRORS_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+MINE = {"RulesError", "RulesTypeError", "ConfigError", "ConfigTypeError", "FileError",
+        "NoRulesError", "ResolutionError", "MeshError"}
+
+
+def _sections():
+  text = ERRORS_MD.read_text()
+  preamble = re.search(r"after:\n\n```python\n(.*?)```", text, re.S).group(1)
+  found = re.findall(r"### `partition\.(\w+)`\n.*?```python\n(.*?)```\n\n```text\n(.*?)```",
+                     text, re.S)
+  return text, preamble, found
+
+
+def test_errors_md_documents_every_error_class():
+  text, _, sections = _sections()
+  defined = set()
+  for path in (ERRORS_MD.parents[1] / "partition").glob("*.py"):
+    defined |= set(re.findall(r"^class (\w+Error)\(", path.read_text(), re.M))
+  assert defined and not [c for c in defined if f"{c}`" not in text]
+  for name, _, _ in sections:
+    cls = getattr(partition, name)
+    assert issubclass(cls, partition.PartitionError) and issubclass(cls, (ValueError, TypeError))
+
+
+def test_errors_md_examples_raise_what_they_show(tmp_path, monkeypatch):
+  _, preamble, sections = _sections()
+  assert len(sections) >= 20
+  monkeypatch.chdir(tmp_path)
+  env = {}
+  exec(preamble, env)
+  for name, code, shown in sections:
+    with pytest.raises(getattr(partition, name)) as e:
+      exec(code, dict(env))
+    assert type(e.value) is getattr(partition, name)
+    if name in MINE:  # the other classes' wording belongs to their modules' owners
+      got = str(e.value).replace(os.getcwd(), "<cwd>")
+      assert got.splitlines()[0] == shown.splitlines()[0], name
