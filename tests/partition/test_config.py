@@ -164,6 +164,7 @@ def test_doc_yaml_and_toml_examples_load(tmp_path):
 def test_doc_python_examples_run(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "recipes").symlink_to(ROOT / "recipes")
+  (tmp_path / "tests").symlink_to(ROOT / "tests")  # the peers' config excerpts
   namespace = {"jax": jax, "jnp": jnp}
   for code in _blocks("python"):
     exec(compile(code, str(DOC), "exec"), namespace)  # noqa: S102
