@@ -221,6 +221,7 @@ class _Created:
   """What a creator saw for one param / state: its per-layer shape and declared axes."""
 
   shape: tuple[int, ...]
+  prefix: str
   axes: Axes | None = None
 
 
@@ -231,9 +232,10 @@ def _recorders() -> list[dict[tuple[str, str], _Created]]:
 
 
 def _note(kind: str, context: hk.GetterContext, shape: Any, axes: Axes | None = None) -> None:
-  name = (context.lifted_prefix_name or "") + context.full_name
+  prefix = context.lifted_prefix_name or ""
   for found in _recorders():
-    entry = found.setdefault((kind, name), _Created(tuple(shape)))
+    entry = found.setdefault((kind, prefix + context.full_name),
+                             _Created(tuple(shape), prefix))
     if axes is not None:
       entry.axes = axes
 
@@ -622,6 +624,7 @@ class _Matching:
 
   table: PathRules | None
   stack_axis: str | None
+  leads: Mapping[str, int]
   matched: dict[str, int] = dataclasses.field(default_factory=dict)
   declared: list[str] = dataclasses.field(default_factory=list)
   unmatched: list[str] = dataclasses.field(default_factory=list)
@@ -646,7 +649,8 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
                created: dict[tuple[str, str], _Created]) -> Axes | None:
   entry = created.get((kind, name))
   shape = tuple(leaf.shape)
-  lead = _stacked_dims(shape, entry.shape) if entry is not None else 0
+  lead = (_stacked_dims(shape, entry.shape) if entry is not None
+          else _lifted_lead(m.leads, name, len(shape)))
   hit = None if m.table is None else m.table.lookup(name)
   if entry is not None and entry.axes is not None and (hit is None or not m.table.override):
     axes, source = entry.axes, "the model declares"
@@ -676,6 +680,28 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
   m.problems.append(f"{shown}: {source} {tuple(axes)} ({len(axes)} names) but it has shape "
                     f"{shape}{detail}")
   return None
+
+
+def _lifted_lead(leads: Mapping[str, int], name: str, ndim: int) -> int:
+  """Stacked dims of a value created without a creator (``hk.set_state`` of a new name, as
+  BatchNorm's EMA ``average``): those of the other values under the same lifted prefix."""
+  prefixes = [p for p in leads if name.startswith(p)]
+  lead = leads[max(prefixes, key=len)] if prefixes else 0
+  return lead if lead <= ndim else 0
+
+
+def _stack_leads(out: Any, with_state: bool, created: dict) -> dict[str, int]:
+  """``{lifted prefix: stacked dims}`` seen on the recorded values."""
+  leads = {}
+  trees = ((_PARAMS, out[0]), (_STATE, out[1])) if with_state else ((_PARAMS, out),)
+  for kind, tree in trees:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+      entry = created.get((kind, path_str(path)))
+      if entry is not None and entry.prefix:
+        lead = _stacked_dims(tuple(leaf.shape), entry.shape)
+        if lead:
+          leads[entry.prefix] = lead
+  return leads
 
 
 def _axes_tree(m: _Matching, kind: str, tree: Any, created: dict, prefix: str) -> Any:
@@ -717,7 +743,7 @@ def _prepare(api: str, transformed: Any, rng: Any, args: tuple, kwargs: dict, *,
 
   out, created = _trace(api, init, rng, inputs, rules, mesh)
   with_state = _with_state(transformed)
-  m = _Matching(table, stack_axis)
+  m = _Matching(table, stack_axis, _stack_leads(out, with_state, created))
   if with_state:
     axes = (_axes_tree(m, _PARAMS, out[0], created, "params/"),
             _axes_tree(m, _STATE, out[1], created, "state/"))

@@ -393,3 +393,21 @@ def test_entry_points_name_bad_arguments():
                                  stack_axis=7)
   with pytest.raises(TypeError, match=r"param_axes must be a partition.PathRules, a list"):
     partition.haiku.eval_axes(hk.transform(stock), jax.random.key(0), x, param_axes=3)
+
+
+def test_layer_stack_state_made_by_set_state_gets_the_stack_axis():
+  # BatchNorm's EMA 'average' is created by hk.set_state (no creator runs for it).
+  f = hk.transform_with_state(lambda x: hk.layer_stack(2)(
+      lambda h: hk.BatchNorm(True, True, 0.9)(h, is_training=True))(x))
+  table = [(r"_ema/(average|hidden)$", (None, "mlp")), (r"counter$", None),
+           (r"(scale|offset)$", (None, "mlp"))]
+  x = jnp.ones((4, 8))
+  _, state = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=STACK_RULES,
+                                          mesh=_mesh3(), param_axes=table)
+  (ema,) = [v for k, v in state.items() if k.endswith("mean_ema")]
+  assert ema["average"].shape == (2, 1, 8)
+  assert ema["average"].sharding.spec == P("data", None, "tensor")
+  assert ema["hidden"].sharding.spec == P("data", None, "tensor")
+  ref = f.init(jax.random.key(0), x)[1]
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
