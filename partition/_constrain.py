@@ -14,11 +14,11 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._config import RulesTypeError, short
+from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
 from partition._mesh import AnyMesh, describe, explicit_axes
-from partition._rules import LogicalAxes, is_axes_leaf, map_axes_tree
+from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
 class NoRulesError(PartitionError, ValueError):
@@ -67,6 +67,7 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
   if not isinstance(strict, bool):
     raise RulesTypeError(
         f"partition.constrain(strict=...) takes True or False, got {short(strict)}.")
+  _check_mesh(mesh, "partition.constrain")
   found_mesh = current_rules_mesh(mesh)
   if found_mesh is None:
     return x
@@ -79,15 +80,33 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
         context=[describe(found_mesh)],
         fix="Wrap the code in `with partition.axis_rules(rules):`, or pass "
             "rules=partition.AxisRules([...]) (or a rules file path)."))
-  if is_axes_leaf(logical_axes):
-    specs = map_axes_tree(lambda _, axes, leaf: found_rules.spec(
-        axes, leaf.shape, found_mesh, strict), [logical_axes], [x], "partition.constrain")[0]
-    return _apply(x, specs, found_mesh)
+  if is_axes_leaf(logical_axes) or _flat_sequence(logical_axes) or (
+      jax.tree_util.all_leaves([logical_axes])):  # one array's axes, even malformed ones
+    return _apply(x, _one_spec(found_rules, logical_axes, x, found_mesh, strict), found_mesh)
   specs = map_axes_tree(
       lambda _, axes, leaf: found_rules.spec(axes, leaf.shape, found_mesh, strict),
       logical_axes, x, "partition.constrain")
   return jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
                       is_leaf=lambda s: isinstance(s, PartitionSpec))
+
+
+def _one_spec(rules: Any, logical_axes: Any, x: Any, mesh: AnyMesh, strict: bool
+              ) -> PartitionSpec:
+  """The spec of one array, errors prefixed with the call (no keypath: there is no tree)."""
+  head = f"partition.constrain(x, {short(logical_axes)})"
+  if not hasattr(x, "shape"):
+    raise RulesTypeError(f"{head}: x must be an array (or a pytree of arrays with a matching "
+                         f"tree of logical axes), got {type(x).__name__} {short(x)}.")
+  try:
+    return rules.spec(logical_axes, x.shape, mesh, strict)
+  except RulesError as e:
+    raise type(e)(f"{head}: {e}") from None
+
+
+def _flat_sequence(x: Any) -> bool:
+  """A plain tuple/list with no containers inside: one array's (possibly bad) axes."""
+  return type(x) in (tuple, list) and not any(
+      isinstance(e, (tuple, list, dict)) for e in x)
 
 
 def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:

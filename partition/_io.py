@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from typing import IO
@@ -78,6 +79,9 @@ def check_destination(path: str, error: type[Exception] = FileError) -> str:
   if not os.path.isdir(directory):
     raise error(f"Cannot write {path!r}: the directory {directory!r} does not exist. "
                 "Create it first (os.makedirs(...)) or choose another path.")
+  if os.path.exists(real) and not os.access(real, os.W_OK):
+    raise error(f"Cannot write {path!r}: the file is read-only. Make it writable "
+                "(chmod u+w) or choose another path.")
   if not os.access(directory, os.W_OK | os.X_OK):
     raise error(f"Cannot write {path!r}: no permission to create files in {directory!r}. "
                 "Choose a writable directory.")
@@ -172,6 +176,10 @@ def read_bytes(path: str | os.PathLike, *, max_bytes: int = MAX_READ_BYTES,
   """
   text_path = fspath(path)
   try:
+    if os.path.exists(text_path) and not os.path.isdir(text_path) and not stat.S_ISREG(
+        os.stat(text_path).st_mode):  # a FIFO or a device would block or never end
+      raise error(f"Cannot read {what} {text_path!r}: it is not a regular file (a pipe or "
+                  "a device). Pass the path of a file.")
     with open(text_path, "rb") as f:
       data = f.read(max_bytes + 1)
   except OSError as e:

@@ -500,3 +500,47 @@ def test_errors_md_examples_raise_what_they_show(tmp_path, monkeypatch):
     if name in MINE:  # the other classes' wording belongs to their modules' owners
       got = str(e.value).replace(os.getcwd(), "<cwd>")
       assert got.splitlines()[0] == shown.splitlines()[0], name
+
+
+def test_special_files_are_refused(tmp_path):
+  fifo = tmp_path / "pipe.yaml"
+  os.mkfifo(fifo)
+  with pytest.raises(ConfigError, match=r"pipe.yaml' : it is not a regular file|not a regular "
+                                        r"file \(a pipe or a device\)"):
+    AxisRules.from_file(fifo)  # would block forever in open()
+  with pytest.raises(ConfigError, match=r"not a regular file"):
+    AxisRules.from_file("/dev/zero", format="yaml")
+  keep = tmp_path / "ro.json"
+  keep.write_text("{}")
+  keep.chmod(0o444)
+  if not os.access(keep, os.W_OK):  # root may write anything
+    with pytest.raises(ConfigError, match=r"the file is read-only\. Make it writable"):
+      RULES.to_file(keep)
+    assert keep.read_text() == "{}"
+
+
+@pytest.mark.parametrize("x, axes, kw, cls, match", [
+    (jnp.ones((8, 4)), "batch", {}, RulesTypeError,
+     r"(?s)constrain\(x, 'batch'\): .*got the str 'batch'; write \('batch',\)"),
+    (jnp.ones((8, 4)), ("batch", 3), {}, RulesTypeError,
+     r"(?s)constrain\(x, \('batch', 3\)\): .*must be a tuple of names \(str or None\)"),
+    (jnp.ones((8, 4)), ("batch",), {}, RulesError,
+     r"constrain\(x, \('batch',\)\): Logical axes \('batch',\) name 1 dims but the shape "
+     r"\(8, 4\) has 2"),
+    ("abc", ("batch",), {}, RulesTypeError, r"x must be an array .*got str 'abc'"),
+    ({"a": jnp.ones(8)}, {"b": ("batch",)}, {}, RulesError,
+     r"(?s)\['b'\]: in the logical axes, not in the shapes.*\['a'\]: in the shapes"),
+    (jnp.ones((8, 4)), ("batch", None), {"mesh": "mesh"}, MeshError,
+     r"constrain\(mesh=...\) takes a jax.sharding.Mesh or AbstractMesh, got str 'mesh'"),
+    (jnp.ones((8, 4)), ("batch", None), {"strict": 1}, RulesTypeError,
+     r"constrain\(strict=...\) takes True or False, got 1"),
+    (jnp.ones((8, 4)), P("data", "data"), {}, RulesError,
+     r"mesh axis 'data' is used by entries 0 and 1"),
+    (jnp.ones((8, 4)), ("batch", None), {"rules": "nope.yaml"}, ConfigError,
+     r"Cannot read rules file 'nope.yaml': No such file"),
+])
+def test_constrain_bad_input(x, axes, kw, cls, match):
+  mesh = auto_mesh((4, 2), ("data", "model"))
+  with partition.axis_rules(AxisRules([("batch", "data")]), mesh):
+    with pytest.raises(cls, match=match):
+      partition.constrain(x, axes, **kw)

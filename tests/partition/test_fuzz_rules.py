@@ -226,3 +226,18 @@ def test_serial_loop_lengths(length):
     with pytest.raises(PartitionError, match=r"positive int") as e:
       call()
     assert_clear(e.value, repr(length) if not isinstance(length, bool) else "True")
+
+
+@SETTINGS
+@given(logical, st.sampled_from([(8, 4), (6, 4), (8,)]), st.booleans())
+def test_constrain_takes_junk(axes, shape, strict):
+  x = jax.numpy.ones(shape)
+  with partition.axis_rules(BASE, MESH):
+    try:
+      y = partition.constrain(x, axes, strict=strict)
+    except Exception as e:  # noqa: BLE001
+      assert_clear(e, "partition.constrain")
+    else:
+      assert y.shape == x.shape and (y == x).all()
+      if isinstance(axes, tuple) and len(axes) == len(shape):
+        assert y.sharding.spec == BASE.spec(axes, shape, MESH)
