@@ -124,3 +124,22 @@ def test_bad_tx_is_a_clear_error(mesh):
     partition.optimizer_init(optax.adam, make_params(), rules=RULES, mesh=mesh)
   with pytest.raises(partition.PartitionError, match="needs axis rules"):
     partition.optimizer_init(optax.adam(1e-3), make_params(), mesh=mesh)
+
+
+def test_state_axes_give_the_state_shardings_through_tree_shardings(mesh):
+  # The checkpoint-target use: AxisRules.tree_shardings over optimizer_axes reproduces the
+  # shardings optimizer_init created (EmptyState / MaskedNode nodes included).
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.masked(optax.adamw(1e-2), mask))
+  params = make_params()
+  state = partition.optimizer_init(tx, boxed(params), rules=RULES, mesh=mesh)
+  axes = partition.optimizer_axes(tx, boxed(params))
+  specs = RULES.tree_specs(axes, state, mesh)
+  got = jax.tree.leaves(state)
+  want = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+  assert len(got) == len(want) == 1 + 2 * 3  # count + mu/nu of the three 2-D params
+  for leaf, spec in zip(got, want):
+    assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim)
+  # partition.logical_axes on a plain optax state: every leaf unannotated, nodes kept.
+  plain_axes = partition.logical_axes(state)
+  assert isinstance(plain_axes[0], optax.EmptyState)
+  assert all(a is None for a in jax.tree.leaves(plain_axes, is_leaf=lambda x: x is None))
