@@ -1,0 +1,174 @@
+"""What a run shows and leaves behind: a progress bar, ``metrics.jsonl``, ``loss.png``, a summary.
+
+Every file is written atomically (``partition._io.atomic_write``): a crash never leaves a
+half-written metrics file or plot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pathlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from partition._io import atomic_write
+
+
+def write_json(path: pathlib.Path, obj: Any) -> None:
+  atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+class MetricsLog:
+  """``metrics.jsonl``: one JSON object per step (``step``, ``loss``, ... and, on eval steps,
+  ``eval_loss``, ``accuracy``). Kept in memory and rewritten atomically every ``every``
+  records and at the end; on resume, records after the checkpoint are dropped."""
+
+  def __init__(self, path: pathlib.Path, every: int = 10):
+    self.path = pathlib.Path(path)
+    self.every = every
+    self.records: list[dict[str, Any]] = []
+    self._pending = 0
+
+  def reset(self) -> None:
+    self.records = []
+    self.flush()
+
+  def truncate_after(self, step: int) -> None:
+    if self.path.exists():
+      lines = self.path.read_text().splitlines()
+      self.records = [r for r in map(json.loads, filter(None, lines)) if r["step"] <= step]
+    self.flush()
+
+  def append(self, record: dict[str, Any]) -> None:
+    self.records.append(record)
+    self._pending += 1
+    if self._pending >= self.every:
+      self.flush()
+
+  def flush(self) -> None:
+    atomic_write(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))
+    self._pending = 0
+
+  def last(self, key: str) -> float | None:
+    return next((r[key] for r in reversed(self.records) if key in r), None)
+
+
+class Throughput:
+  """Tokens per second over the steps after the first (which includes compilation)."""
+
+  def __init__(self, tokens_per_step: int):
+    self.tokens_per_step = tokens_per_step
+    self.start: tuple[int, float] | None = None
+    self.rate = 0.0
+
+  def tick(self, step: int, block: Any = None) -> None:
+    if block is not None and hasattr(block, "block_until_ready"):
+      block.block_until_ready()
+    now = time.perf_counter()
+    if self.start is None:
+      self.start = (step, now)
+    elif step > self.start[0]:
+      self.rate = (step - self.start[0]) * self.tokens_per_step / (now - self.start[1])
+
+
+class _Bar:
+  def __init__(self, progress, task):
+    self.progress, self.task = progress, task
+
+  def update(self, step: int, record: dict[str, Any]) -> None:
+    if self.progress is None:
+      return
+    fields = f"loss {record['loss']:.4f}  {record.get('tokens_per_s', 0):,.0f} tok/s"
+    if "accuracy" in record and "eval_loss" in record:
+      fields += f"  eval acc {record['accuracy']:.3f}"
+    self.progress.update(self.task, completed=step, fields=fields)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, start: int = 0, *, enabled: bool = True) -> Iterator[_Bar]:
+  """A rich progress bar with loss and tokens/s (``enabled=False``: silent)."""
+  if not enabled:
+    yield _Bar(None, None)
+    return
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+  columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+             TextColumn("{task.fields[fields]}")]
+  with Progress(*columns) as progress:
+    task = progress.add_task("train", total=total, completed=start, fields="")
+    yield _Bar(progress, task)
+
+
+def plot_losses(records: list[dict[str, Any]], path: pathlib.Path) -> None:
+  """``loss.png``: training loss per step, eval loss and accuracy at eval steps."""
+  import io
+
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  steps = [r["step"] for r in records]
+  ax.plot(steps, [r["loss"] for r in records], label="train loss", lw=1)
+  evals = [r for r in records if "eval_loss" in r]
+  if evals:
+    ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
+            label="eval loss")
+    acc = ax.twinx()
+    acc.plot([r["step"] for r in evals], [r["accuracy"] for r in evals], "s--", color="C2",
+             label="eval accuracy")
+    acc.set_ylabel("accuracy")
+    acc.set_ylim(0, 1)
+    acc.legend(loc="center right")
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy")
+  ax.set_yscale("log")
+  ax.legend(loc="upper right")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=100)
+  plt.close(fig)
+  atomic_write(path, buffer.getvalue())
+
+
+def _bytes(n: int | None) -> str:
+  if n is None:
+    return "-"
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+    n /= 1024
+  return str(n)
+
+
+def print_summary(summary: dict[str, Any], out) -> None:
+  """A one-screen summary of the run (rich table)."""
+  from rich.console import Console
+  from rich.table import Table
+
+  fmt = lambda v, spec: "-" if v is None else format(v, spec)
+  table = Table(title="training summary", show_header=False)
+  table.add_column(style="bold")
+  table.add_column()
+  mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
+  rows = [
+      ("framework / preset", f"{summary['framework']} / {summary['preset']}"),
+      ("mesh", mesh),
+      ("micro-batches", str(summary["microbatches"])),
+      ("steps", str(summary["steps"])),
+      ("final train loss", fmt(summary["final_loss"], ".4f")),
+      ("eval loss", fmt(summary["eval_loss"], ".4f")),
+      ("eval token accuracy", fmt(summary["accuracy"], ".3f")),
+      ("eval exact match", fmt(summary["exact_match"], ".3f")),
+      ("tokens / s", fmt(summary["tokens_per_s"], ",.0f")),
+      ("params per device", f"{_bytes(summary['param_bytes_per_device'])} of "
+                            f"{_bytes(summary['param_bytes_total'])}"),
+      ("optimizer state per device", _bytes(summary["optimizer_bytes_per_device"])),
+      ("outputs", f"{summary['out_dir']}/ (metrics.jsonl, loss.png, checkpoints/)"),
+  ]
+  for k, v in rows:
+    table.add_row(k, v)
+  Console(file=out, width=100).print(table)
