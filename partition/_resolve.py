@@ -7,12 +7,13 @@ whose value is ``None`` claims the dim as replicated (later fallbacks for that n
 tried); names that no rule assigns replicate.
 
 When a mesh is known, placement stays flax's: the "already used" check sees a rule's full
-mesh axes, size-1 axes included, and a rule whose axes all have size 1 still fires (the dim
-is replicated, as flax's spec is once size-1 axes are dropped). Size-1 axes are dropped only
-from the final spec. Two differences remain, both documented in ``docs/rules.md``: axes the
-mesh lacks are dropped from a candidate and a candidate naming *only* such axes is skipped
-(one preset serves several meshes; ``strict`` reports them), and, when the dim size is known,
-a candidate whose total size does not divide the dim is skipped and the next rule is tried.
+mesh axes, size-1 axes and axes the mesh lacks included, and a rule whose axes all have
+size 1 (or are absent) still fires (the dim is replicated, as flax's spec is once those
+axes are dropped). Such axes are dropped only from the final spec, so a mesh that lacks an
+axis places exactly like one that has it with size 1. Two differences remain, documented in
+``docs/rules.md``: when the dim size is known, a candidate whose total size does not divide
+the dim is skipped and the next rule is tried; ``strict`` reports names without a rule,
+axes the mesh lacks and dims no candidate divides instead of replicating silently.
 Every decision is recorded as an :class:`Attempt` so that a resolution can explain itself.
 """
 
@@ -31,7 +32,6 @@ from partition._resources import SerialLoop
 FIRED = "fired"
 USED = "mesh axis already used"
 INDIVISIBLE = "not divisible"
-NOT_IN_MESH = "not in mesh"
 
 
 class ResolutionError(RulesError):
@@ -198,8 +198,6 @@ def _try(value, dim, used, mesh_sizes, loops, named_loops):
   notes = [f"{a!r} has size 1, dropped" for a in dropped]
   notes += [f"{a!r} is not a mesh axis{did_you_mean(a, list(mesh_sizes or ()))}, dropped"
             for a in missing]
-  if not axes and not loop_list and not dropped:
-    return NOT_IN_MESH, "; ".join(notes), None, missing, []
   clash = [a for a in claimed if a in used]
   if clash:
     return USED, f"{clash[0]!r} is used by dim {used[clash[0]]}", None, missing, []
