@@ -499,24 +499,25 @@ def _check_xmap_names(names: Any, sizes: Any, api: str
     for k, v in sizes.items():
       if not isinstance(k, str):
         problems.append(f"sizes key {short(k)} is not an axis name (str)")
-      elif _positive_int(v) is None:
-        problems.append(f"sizes[{k!r}] is {short(v)}; a size is a positive int")
+      elif _size(v) is None:
+        problems.append(f"sizes[{k!r}] is {short(v)}; a size is an int >= 0")
   if problems:
     raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=problems,
                                         fix="Pass names=['batch', ...] and sizes={'batch': 8}."))
   if sizes is not None:
-    size_list = [None if sizes.get(n) is None else _positive_int(sizes[n]) for n in names]
+    size_list = [None if sizes.get(n) is None else _size(sizes[n]) for n in names]
   return names, size_list
 
 
-def _positive_int(v: Any) -> int | None:
+def _size(v: Any) -> int | None:
+  """``v`` as an axis size (an int >= 0; 0 for empty arrays), or None if it is not one."""
   if isinstance(v, bool):
     return None
   try:
     n = operator.index(v)
   except TypeError:
     return None
-  return n if n >= 1 else None
+  return n if n >= 0 else None
 
 
 def _need_mesh(mesh: AnyMesh | None, api: str) -> AnyMesh:

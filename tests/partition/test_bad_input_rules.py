@@ -325,8 +325,11 @@ def test_xmap_resources_never_splits_a_str():
     RULES.xmap_resources("batch")
   assert RULES.xmap_resources(("batch",)) == {"batch": ("data", "fsdp")}
   with pytest.raises(RulesTypeError, match=r"(?s)names\[1\] 'batch' repeats names\[0\].*"
-                                           r"names\[2\] is 3.*sizes\['batch'\] is 0"):
-    RULES.xmap_resources(["batch", "batch", 3], sizes={"batch": 0})
+                                           r"names\[2\] is 3.*sizes\['batch'\] is -1; a size "
+                                           r"is an int >= 0"):
+    RULES.xmap_resources(["batch", "batch", 3], sizes={"batch": -1})
+  # An empty axis (size 0) divides over anything: it keeps its rule.
+  assert RULES.xmap_resources(["batch"], sizes={"batch": 0}) == {"batch": ("data", "fsdp")}
   with pytest.raises(RulesTypeError, match=r"sizes must be a mapping"):
     RULES.xmap_resources(["batch"], sizes=[8])
 

@@ -113,14 +113,26 @@ def test_presets_exist():
   assert {p.stem for p in PRESETS} >= {"data_parallel", "fsdp", "fsdp_tp", "microbatch"}
 
 
+def _preset_mesh(rules):
+  """A mesh over the mesh axes a preset names, in order: (8,), (2, 4) or (2, 2, 2)."""
+  names = list(dict.fromkeys(a for _, v in rules.pairs for a in v or () if isinstance(a, str)))
+  shape = {1: (8,), 2: (2, 4), 3: (2, 2, 2)}[len(names)]
+  return jax.make_mesh(shape, tuple(names))
+
+
+# Every logical name of the layers/ vocabulary, with dims every preset's mesh divides.
+LAYER_AXES = [(("batch", "length", "embed"), (16, 16, 32)), (("embed", "mlp"), (32, 64)),
+              (("embed", "heads", "head_dim"), (32, 8, 16)),
+              (("embed", "kv_heads", "head_dim"), (32, 8, 16)), (("vocab", "embed"), (128, 32)),
+              (("expert", "embed", "mlp"), (8, 32, 64)), (("layers", "embed", "mlp"), (8, 32, 64))]
+
+
 @pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
 def test_presets_load_and_resolve_strictly(path):
   rules = AxisRules.from_file(path)
   assert yaml.safe_load(path.read_text())["description"]
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
-  for axes, shape in [(("batch", "length", "embed"), (16, 8, 32)),
-                      (("embed", "mlp"), (32, 64)), (("embed", "heads", "kv"), (32, 4, 8)),
-                      (("vocab", "embed"), (128, 32)), (("expert", "embed", "mlp"), (2, 8, 8))]:
+  mesh = _preset_mesh(rules)
+  for axes, shape in LAYER_AXES:
     spec = rules.spec(axes, shape, mesh, strict=True)
     assert len(spec) == len(axes)
 
