@@ -197,3 +197,35 @@ def test_compiled_init_has_no_full_size_intermediate(framework):
       jax.random.key(0), x).compile().memory_analysis()
   assert ref.temp_size_in_bytes > 2 * full_kernel
   assert ref.output_size_in_bytes >= 2 * full_kernel
+
+
+NO_MLP_RULE = partition.AxisRules([("batch", "data"), ("embed", None)])
+
+
+def _init_big(framework, mesh, strict):
+  x = jnp.ones((8, 128))
+  if framework == "linen":
+    return partition.flax.init_sharded(LinenMLP(embed=128, mlp=256), jax.random.key(0), x,
+                                       rules=NO_MLP_RULE, mesh=mesh, strict=strict)
+  if framework == "nnx":
+    return partition.nnx.init_sharded(lambda: NNXMLP(nnx.Rngs(0), embed=128, mlp=256),
+                                      rules=NO_MLP_RULE, mesh=mesh, strict=strict)
+  return partition.haiku.init_sharded(
+      hk.transform(lambda x: haiku_mlp(x, embed=128, mlp=256)), jax.random.key(0), x,
+      rules=NO_MLP_RULE, mesh=mesh, param_axes=HK_TABLE, strict=strict)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
+def test_never_silently_replicated_in_all_three(framework):
+  # 'mlp' has no rule: both 128x256 kernels (128 KiB each) end up replicated on 8 devices.
+  mesh = _mesh((2, 2, 2))
+  with pytest.warns(partition.ReplicatedWarning) as caught:
+    _init_big(framework, mesh, strict=False)
+  assert len(caught) == 1
+  text = str(caught[0].message)
+  assert "parameter(s) are fully replicated on 8 devices" in text
+  assert "no rule for 'mlp'" in text and "pass strict=True" in text
+  with pytest.raises(partition.PlacementError, match=r"logical axis 'mlp' has no rule") as e:
+    _init_big(framework, mesh, strict=True)
+  # Three parameters name 'mlp' (two kernels, one bias): one bullet each, one error.
+  assert str(e.value).count("logical axis 'mlp' has no rule") == 3
