@@ -282,6 +282,7 @@ def parse_selected(value: Any, label: str, doc: Any = None
 def format_of(path: str, fmt: Any, error: type[Exception] = ConfigError) -> str:
   """The format named by ``fmt`` or, if ``None``, by the extension of ``path``."""
   if fmt is not None:
+    fmt = fmt.lower() if isinstance(fmt, str) else fmt  # format='YAML' is unambiguous
     if fmt not in FORMATS.values():
       raise error(f"Unknown rules format {short(fmt)} for {path!r}; use one of 'yaml', "
                   "'toml', 'json'.")
