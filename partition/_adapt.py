@@ -100,10 +100,11 @@ def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,
 def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
   """``rules`` as flax's ``LogicalRules`` (for ``nn.logical_axis_rules``).
 
-  Loops are dropped; with a mesh, axes it lacks or of size 1 are dropped. A rule left
-  without axes maps its name to ``None`` (replicated), never disappears: flax NNX resolves
-  a name without a rule to *itself* (``rules.get(name, name)``), which would pass a logical
-  name to ``NamedSharding`` as a mesh axis.
+  Loops are dropped; with a mesh, axes it lacks are dropped (size-1 axes are kept: flax's
+  "already used" check must see them, as ``AxisRules`` does). A rule left without axes maps
+  its name to ``None`` (replicated), never disappears: flax NNX resolves a name without a
+  rule to *itself* (``rules.get(name, name)``), which would pass a logical name to
+  ``NamedSharding`` as a mesh axis.
 
   Example:
     >>> import jax, partition
@@ -117,7 +118,7 @@ def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
   for name, value in rules.pairs:
     axes = [a for a in value or () if not isinstance(a, SerialLoop)]
     if sizes is not None:
-      axes = [a for a in axes if sizes.get(a, 1) > 1]
+      axes = [a for a in axes if a in sizes]
     out.append((name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes)))
   return tuple(out)
 

@@ -227,3 +227,25 @@ def test_rules_and_mesh_from_context():
   with partition.axis_rules(RULES, mesh):
     variables = partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((8, 8)))
   assert variables["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
+
+
+def test_installed_flax_table_places_like_axis_rules():
+  # The table partition.axis_rules installs for flax keeps size-1 axes (flax's "used" check
+  # must see them) and maps rules whose axes the mesh lacks to None (never to the name).
+  mesh = jax.make_mesh((2, 1, 4), ("x", "one", "x2"))
+  rules = partition.AxisRules([("a", ("x", "one")), ("b", "one"), ("b", "x2"),
+                               ("mlp", "tensor"), ("c", "x2")])
+  with partition.axis_rules(rules, mesh):
+    table = nn.get_logical_axis_rules()
+  assert dict(table)["mlp"] is None and ("a", ("x", "one")) in table
+
+  def drop_size_one(spec):
+    def keep(e):
+      kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if mesh.shape[a] > 1)
+      return None if not kept else kept[0] if len(kept) == 1 else kept
+    return P(*(keep(e) for e in spec))
+
+  for axes in [("a", "b"), ("b", "c"), ("mlp", "a"), ("c", "b", "a")]:
+    want = drop_size_one(nn.logical_to_mesh_axes(axes, table))
+    assert rules.spec(axes, (8,) * len(axes), mesh) == want, axes
+  assert rules.spec(("a", "b"), (8, 8), mesh) == P("x", "x2")  # 'one' is taken by 'a'
