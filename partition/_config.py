@@ -463,9 +463,34 @@ def load(path: Any, *, format: str | None = None, key: Any = None) -> dict[str, 
 # -- writing files ----------------------------------------------------------------------------
 
 
+_SURROGATES = re.compile(r"\\u(d[89ab][0-9a-f]{2})\\u(d[c-f][0-9a-f]{2})")
+
+
+def _quote(text: str) -> str:
+  """A double-quoted string that YAML, TOML and JSON all read back as ``text``.
+
+  JSON's escapes, except that characters outside the BMP stay literal (TOML and PyYAML reject
+  JSON's surrogate pairs) and DEL is escaped (TOML and YAML require it).
+  """
+  out = _SURROGATES.sub(lambda m: chr(0x10000 + ((int(m.group(1), 16) - 0xD800) << 10)
+                                      + int(m.group(2), 16) - 0xDC00), json.dumps(text))
+  return out.replace("\x7f", "\\u007f")
+
+
+def _flow(v: Any) -> str:
+  """A rules entry in flow style (JSON syntax, which is also YAML), strings via _quote."""
+  if isinstance(v, str):
+    return _quote(v)
+  if isinstance(v, Mapping):
+    return "{" + ", ".join(f"{_quote(str(k))}: {_flow(x)}" for k, x in v.items()) + "}"
+  if isinstance(v, (list, tuple)):
+    return "[" + ", ".join(_flow(x) for x in v) + "]"
+  return json.dumps(v)
+
+
 def _toml_value(v: Any) -> str:
   if isinstance(v, str):
-    return json.dumps(v)
+    return _quote(v)
   if isinstance(v, int):
     return str(v)
   if isinstance(v, Mapping):
@@ -482,7 +507,7 @@ def dumps(doc: Mapping[str, Any], fmt: str) -> str:
   if fmt == "yaml":
     head = {k: v for k, v in doc.items() if k != "rules"}
     text = yaml.safe_dump(head, sort_keys=False) if head else ""
-    rows = [f"  - {json.dumps(entry)}" for entry in doc["rules"]]  # JSON is flow-style YAML
+    rows = [f"  - {_flow(entry)}" for entry in doc["rules"]]  # JSON is flow-style YAML
     return text + "rules:\n" + "\n".join(rows) + ("\n" if rows else " []\n")
   lines = [f"description = {_toml_value(doc['description'])}"] if "description" in doc else []
   lines.append("rules = [")

@@ -552,3 +552,11 @@ def test_constrain_bad_input(x, axes, kw, cls, match):
   with partition.axis_rules(AxisRules([("batch", "data")]), mesh):
     with pytest.raises(cls, match=match):
       partition.constrain(x, axes, **kw)
+
+
+@pytest.mark.parametrize("ext", ["yaml", "toml", "json"])
+def test_odd_names_round_trip_in_every_format(tmp_path, ext):
+  odd = ["😀", "a\x7fb", "tab\tx", "q'\"", "a\u2028b", "null", "~", "yes", "1", "#x", "a: b"]
+  rules = AxisRules([(n, (n, SerialLoop(2))) for n in odd])
+  rules.to_file(tmp_path / f"r.{ext}")
+  assert AxisRules.from_file(tmp_path / f"r.{ext}") == rules
