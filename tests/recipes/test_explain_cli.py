@@ -1,0 +1,169 @@
+"""``python -m recipes.explain``: the planned per-device bytes against the real shards of a
+``build_run`` of the same config, the compiled step's argument bytes against the real state and
+batch shards, ``--devices 16`` in a subprocess, the JSON and table outputs, warnings, errors.
+
+(Named ``test_explain_cli.py``: ``tests/partition/test_explain.py`` exists and the test
+folders are not packages, so two ``test_explain`` modules would clash.)
+"""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from recipes import data, explain, train
+from recipes.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
+        "seq_len=8", "steps=2"]
+
+
+def _config(*overrides):
+  return load_config(train.default_config_path(), TINY + list(overrides))
+
+
+def _on_first_device(x) -> int:
+  first = jax.devices()[0]
+  return sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+
+
+def _by_path(tree) -> dict:
+  return {explain_path(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def explain_path(path) -> str:
+  from partition._logical_axes import path_str
+  return path_str(path)
+
+
+@pytest.fixture(scope="module")
+def planned():
+  """The plan (compiled) and a real run of the same tiny config on 8 devices."""
+  config = _config()
+  return explain.plan(config), train.build_run(config)
+
+
+def test_per_device_bytes_equal_the_real_shards(planned):
+  plan, run = planned
+  real = _by_path(run.state["params"])
+  assert sorted(r.path for r in plan.params.rows) == sorted(real)
+  for row in plan.params.rows:
+    x = real[row.path]
+    assert row.bytes_per_device == _on_first_device(x), row.path
+    assert row.bytes_total == x.nbytes, row.path
+    assert row.spec == x.sharding.spec, row.path
+  assert plan.params.bytes_per_device == train.device_bytes(run.state["params"])
+  assert plan.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
+  assert plan.optimizer.total_bytes == sum(x.nbytes for x in
+                                           jax.tree.leaves(run.state["opt_state"]))
+  # the sharded run holds less than a full copy on each device
+  assert plan.params.bytes_per_device < plan.params.total_bytes
+
+
+def test_optimizer_bytes_per_parameter_follow_adam_moments(planned):
+  plan, run = planned
+  real = _by_path(run.state["params"])
+  for path, opt_bytes in plan.optimizer_by_param.items():
+    assert opt_bytes == 2 * _on_first_device(real[path]), path  # mu and nu, same sharding
+  counts = sum(r.bytes_per_device for r in plan.optimizer.rows if r.shape == ())
+  assert sum(plan.optimizer_by_param.values()) + counts == plan.optimizer.bytes_per_device
+
+
+def test_abstract_state_has_the_real_shardings(planned):
+  plan, run = planned
+  ours = jax.tree_util.tree_flatten_with_path(plan.state)[0]
+  theirs = jax.tree.leaves(run.state)
+  assert len(ours) == len(theirs)
+  for (path, a), b in zip(ours, theirs):
+    assert (a.shape, a.dtype) == (b.shape, b.dtype), explain_path(path)
+    assert a.sharding.is_equivalent_to(b.sharding, len(b.shape)), explain_path(path)
+
+
+def test_compiled_step_arguments_are_the_real_state_and_batch_shards(planned):
+  plan, run = planned
+  batch = data.global_batch(run.source.batch(0, 0, 16), run.batch_shardings)
+  state_bytes = train.device_bytes(run.state)
+  batch_bytes = train.device_bytes(batch)
+  assert plan.memory.argument == state_bytes + batch_bytes
+  assert plan.memory.alias == state_bytes  # the donated state is updated in place
+  assert plan.memory.temp > 0
+  assert plan.memory.peak == (plan.memory.argument + plan.memory.output - plan.memory.alias
+                              + plan.memory.temp + plan.memory.generated_code)
+
+
+def test_json_numbers_and_table(planned):
+  plan, _ = planned
+  d = json.loads(json.dumps(plan.to_dict()))
+  assert d["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and d["num_devices"] == 8
+  assert d["totals"]["param_bytes_per_device"] == plan.params.bytes_per_device
+  assert d["totals"]["num_params"] == sum(int(np.prod(r["shape"])) for r in d["params"])
+  query = next(r for r in d["params"] if r["path"] == "blocks_0/attn/query/kernel")
+  assert query["logical_axes"] == ["embed", "heads", "head_dim"]
+  assert query["spec"] == ["fsdp", "tensor", None]
+  assert d["memory"]["argument"] == plan.memory.argument
+  out = io.StringIO()
+  explain.render(plan, out)
+  text = out.getvalue()
+  for needle in ("blocks_0/attn/query/kernel", "P('fsdp', 'tensor', None)", "totals",
+                 "compiled train step", "params + optimizer", "temporaries"):
+    assert needle in text, needle
+
+
+def test_large_replicated_params_warn():
+  plan = explain.plan(_config("preset=data_parallel", "mesh={data: 8}"), compile=False,
+                      replicated_warn_bytes=1024)
+  big = sorted(r.path for r in plan.params.rows if r.bytes_total >= 1024)
+  assert big and all(r.replicated for r in plan.params.rows)
+  assert len(plan.warnings) == len(big)
+  for path, warning in zip(big, plan.warnings):
+    assert warning.startswith(f"{path} ") and "fully replicated on 8 devices" in warning
+    assert "give its logical axes" in warning
+  assert explain.plan(_config(), compile=False, replicated_warn_bytes=1024).warnings == ()
+
+
+def test_devices_mesh_must_use_all_devices():
+  with pytest.raises(explain.ExplainError, match=r"mesh=\{'data': 2, 'fsdp': 2, 'tensor': 2\} "
+                     r"does not use the 16 devices of --devices 16 .*Give one axis -1 to fill "
+                     r"them, e.g. mesh='\{data: -1, fsdp: 2, tensor: 2\}'"):
+    explain.check_mesh_size(_config(), 16)
+  with pytest.raises(explain.ExplainError, match="-1 cannot fill the rest"):
+    explain.check_mesh_size(_config("mesh={data: -1, tensor: 3}"), 16)
+  explain.check_mesh_size(_config("mesh={data: -1, tensor: 2}"), 16)  # fine
+
+
+def _run_cli(*args, timeout=240):
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+  return subprocess.run([sys.executable, "-m", "recipes.explain", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_devices_16_in_a_subprocess(planned):
+  plan8, _ = planned
+  proc = _run_cli("--devices", "16", "--json", *TINY, "mesh={data: -1, fsdp: 2, tensor: 2}")
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  d = json.loads(proc.stdout)
+  assert d["num_devices"] == 16 and d["mesh"] == {"data": 4, "fsdp": 2, "tensor": 2}
+  assert d["platform"] == "cpu"
+  # params are not sharded over 'data': the same bytes per device as on 8 devices
+  assert d["totals"] == plan8.totals()
+  # the step was compiled for 16 devices: each holds 16 / (data 4 x fsdp 2) = 2 batch rows
+  batch_bytes = 3 * 2 * 8 * 4  # inputs, targets (int32) and mask (float32)
+  step_bytes = 4
+  assert d["memory"]["argument"] == (d["totals"]["state_bytes_per_device"] + step_bytes
+                                     + batch_bytes)
+
+
+def test_cli_errors_exit_2_with_the_fix():
+  proc = _run_cli("--devices", "16", *TINY)
+  assert proc.returncode == 2
+  assert "Give one axis -1 to fill them" in proc.stderr
+  proc = _run_cli("stpes=3")
+  assert proc.returncode == 2 and "Did you mean 'steps'?" in proc.stderr
