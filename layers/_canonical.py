@@ -171,6 +171,10 @@ def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list
   if name not in weights:
     problems.append(f"{where}: no weight {name!r} in the canonical dict")
     return _value(leaf)
+  if index is not None and index >= np.shape(weights[name])[0]:
+    problems.append(f"{where}: layer index {index} is out of range for "
+                    f"{np.shape(weights[name])[0]} layers in {name!r}")
+    return _value(leaf)
   value = weights[name] if index is None else weights[name][index]
   if tuple(value.shape) != shape:
     layer = "" if index is None else f" (layer {index} of {tuple(weights[name].shape)})"

@@ -1,0 +1,123 @@
+"""TransformerConfig validation, layer argument errors, canonical weights round trips."""
+
+import doctest
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+from layers_testlib import FRAMEWORKS, TOKENS, build, config
+
+import layers
+import layers.linen
+import layers.nnx
+import partition
+import partition.flax
+from layers._params import LayerArgumentError
+
+
+def test_config_defaults_are_valid_and_frozen():
+  cfg = layers.TransformerConfig()
+  assert cfg.num_heads % cfg.num_kv_heads == 0
+  assert cfg.dtype == np.dtype("float32")
+  with pytest.raises(AttributeError):
+    cfg.num_layers = 3
+
+
+def test_config_rejects_heads_not_divisible_by_kv_heads():
+  with pytest.raises(layers.ConfigError,
+                     match=r"num_heads=6 is not a multiple of num_kv_heads=4.*use a divisor"):
+    layers.TransformerConfig(num_heads=6, num_kv_heads=4)
+
+
+def test_config_collects_every_problem_in_one_message():
+  with pytest.raises(ValueError) as info:
+    layers.TransformerConfig(embed_dim=0, head_dim=7, num_experts=2, experts_per_token=3,
+                             remat="sometimes", dtype="int32")
+  message = str(info.value)
+  assert isinstance(info.value, partition.PartitionError)
+  assert "5 invalid field(s)" in message
+  for text in ("embed_dim=0 must be a positive int", "head_dim=7 must be even",
+               "experts_per_token=3 must be between 1 and num_experts=2",
+               "remat='sometimes' is not a remat policy; use one of",
+               "dtype='int32' must be a floating dtype", "dataclasses.replace"):
+    assert text in message
+
+
+def test_dense_with_axes_of_the_wrong_rank_says_how_to_fix():
+  with pytest.raises(LayerArgumentError,
+                     match=r"out_axes=\('mlp',\) names 1 dims but features=\(4, 8\)"
+                           r"[\s\S]*one logical name \(or None\) per"):
+    layers.linen.Dense((4, 8), ("embed",), ("mlp",)).init(jax.random.key(0), jnp.ones((2, 3)))
+
+
+@pytest.mark.parametrize("source", FRAMEWORKS)
+@pytest.mark.parametrize("scan", [False, True])
+def test_canonical_round_trip_is_exact(source, scan):
+  m = build(source, config(scan_layers=scan, num_experts=2, experts_per_token=1))
+  weights = layers.to_canonical(m.params)
+  assert weights["blocks/attn/query/kernel"].shape == (2, 16, 4, 8)
+  assert weights["blocks/moe/wo"].shape == (2, 2, 32, 16)
+  back = layers.to_canonical(layers.from_canonical(weights, like=m.params))
+  for name, value in weights.items():
+    np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(value))
+
+
+def test_from_canonical_into_an_nnx_module_returns_a_module():
+  m = build("linen", config())
+  model = layers.nnx.Transformer(config(), rngs=nnx.Rngs(5))
+  loaded = layers.from_canonical(layers.to_canonical(m.params), like=model)
+  assert isinstance(loaded, layers.nnx.Transformer)
+  np.testing.assert_allclose(np.asarray(loaded(TOKENS)), np.asarray(m.apply(m.params, TOKENS)),
+                             rtol=1e-5, atol=1e-6)
+
+
+def test_from_canonical_keeps_shardings_and_boxes():
+  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  rules = partition.AxisRules([("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"),
+                               ("kv_heads", "tensor"), ("vocab", "tensor")])
+  m = build("linen", config(scan_layers=True))
+  sharded = partition.flax.init_sharded(layers.linen.Transformer(config(scan_layers=True)),
+                                        jax.random.key(0), TOKENS, rules=rules, mesh=mesh)
+  loaded = layers.from_canonical(layers.to_canonical(m.params), like=sharded)
+  box = loaded["params"]["blocks"]["attn"]["query"]["kernel"]
+  assert box.names == ("layers", "embed", "heads", "head_dim")
+  assert box.value.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor", None))
+  np.testing.assert_array_equal(
+      np.asarray(box.value), np.asarray(m.params["params"]["blocks"]["attn"]["query"]
+                                        ["kernel"].value))
+
+
+def test_from_canonical_lists_missing_misshaped_and_unused_weights():
+  m = build("haiku", config())
+  weights = dict(layers.to_canonical(m.params))
+  del weights["final_norm/scale"]
+  weights["embed/embedding"] = jnp.zeros((10, 16))
+  weights["blocks/extra/kernel"] = jnp.zeros((2, 3))
+  with pytest.raises(layers.CanonicalError) as info:
+    layers.from_canonical(weights, like=m.params)
+  message = str(info.value)
+  assert "3 weight(s) do not fit" in message
+  assert "transformer/final_norm/scale: no weight 'final_norm/scale'" in message
+  assert "'embed/embedding' has shape (10, 16), the parameter has (64, 16)" in message
+  assert "'blocks/extra/kernel' ((2, 3)) matches no parameter" in message
+  assert "same TransformerConfig" in message
+
+
+def test_from_canonical_reports_a_stack_with_too_few_layers():
+  weights = layers.to_canonical(build("linen", config()).params)
+  three = build("nnx", config(num_layers=3))
+  with pytest.raises(layers.CanonicalError, match=r"layer index 2 is out of range for 2 layers"):
+    layers.from_canonical(weights, like=three.params)
+
+
+@pytest.mark.parametrize("module", ["_config", "_core", "_moe", "_params", "_canonical",
+                                    "linen", "nnx", "haiku"])
+def test_docstring_examples_run(module):
+  # pyproject's testpaths collect doctests of partition/ only; run layers/' here.
+  result = doctest.testmod(importlib.import_module(f"layers.{module}"), verbose=False)
+  assert result.failed == 0 and result.attempted > 0
