@@ -1,0 +1,177 @@
+"""Canonical weights of a training run's checkpoint (``python -m recipes.export``).
+
+Restores the parameters of a checkpoint written by ``python -m recipes.train`` onto one device
+(shapes from orbax's metadata, no model code needed), converts them with
+``layers.to_canonical`` to the framework-independent names (``embed/embedding``,
+``blocks/attn/query/kernel`` with a leading ``layers`` dim, ...) and writes
+
+* ``OUT`` (``.npz``): ``{canonical name: array}``;
+* ``OUT`` with the suffix ``.json``: the ``TransformerConfig``, the framework and step it came
+  from, and every weight's shape and dtype.
+
+Both files are written atomically. Load them into any framework with
+``layers.from_canonical(weights, like=params)`` (:func:`load` reads both files)::
+
+  python -m recipes.export --checkpoint runs/default --out weights.npz
+  python -m recipes.export --checkpoint runs/default/checkpoints --step 100 --out w100.npz
+
+  weights, model_config = recipes.export.load('weights.npz')
+  model = layers.nnx.Transformer(model_config, rngs=nnx.Rngs(0))
+  model = layers.from_canonical(weights, like=model)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import pathlib
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from partition import PartitionError
+
+
+class ExportError(PartitionError, ValueError):
+  """The checkpoint to export is missing or is not a ``recipes.train`` run."""
+
+
+def checkpoint_dir(path: str | pathlib.Path) -> pathlib.Path:
+  """The orbax directory: ``path`` itself, or ``path/checkpoints`` for a run's ``out_dir``.
+
+  >>> checkpoint_dir('no/such/run')  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  recipes.export.ExportError: --checkpoint 'no/such/run' does not exist. Pass the out_dir ...
+  """
+  path = pathlib.Path(path)
+  if (path / "checkpoints").is_dir():
+    return path / "checkpoints"
+  if path.is_dir():
+    return path
+  raise ExportError(f"--checkpoint {str(path)!r} does not exist. Pass the out_dir of a "
+                    "python -m recipes.train run (e.g. runs/default) or its checkpoints/ "
+                    "folder.")
+
+
+def restore_params(directory: str | pathlib.Path, step: int | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any], int]:
+  """``(params, meta, step)`` of a checkpoint, on one device (default: the latest step).
+
+  ``params`` is the run's plain nested dict of arrays; ``meta`` holds the run's ``config``
+  and ``rules``.
+  """
+  import jax
+
+  from recipes.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(checkpoint_dir(directory))
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise ExportError(f"--checkpoint {str(directory)!r} holds no checkpoint steps. Train "
+                        "first (python -m recipes.train out_dir=...), or pass the out_dir "
+                        "of a run that saved one.")
+    if step is not None and step not in steps:
+      raise ExportError(f"--step {step}: no such checkpoint in {str(directory)!r}; it has "
+                        f"steps {sorted(steps)}. Pass one of them, or leave --step out for "
+                        "the latest.")
+    step = max(steps) if step is None else step
+    meta = ckpt.meta(step)
+    if "config" not in meta or "rules" not in meta:
+      raise ExportError(f"checkpoint {str(directory)!r} step {step} was not written by "
+                        "python -m recipes.train (its metadata has no config/rules).")
+    # One device with the run's mesh axis names, each of size 1: every array is whole there.
+    names = tuple(meta["config"]["mesh"]) or ("data",)
+    mesh = jax.make_mesh((1,) * len(names), names, devices=jax.devices()[:1])
+    state, meta = ckpt.restore_on(step, mesh)
+  finally:
+    ckpt.close()
+  return state["params"], meta, step
+
+
+def model_config(meta: dict[str, Any]):
+  """The run's ``layers.TransformerConfig`` from checkpoint metadata."""
+  import layers
+  return layers.TransformerConfig(**meta["config"]["model"])
+
+
+def _storable(x) -> np.ndarray:
+  """A numpy array ``np.savez`` can store: bfloat16 and other ml_dtypes become float32."""
+  a = np.asarray(x)
+  if a.dtype.kind == "V" or a.dtype.type.__module__.startswith("ml_dtypes"):
+    return a.astype(np.float32)
+  return a
+
+
+def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None
+           ) -> dict[str, Any]:
+  """Writes the canonical weights of a checkpoint to ``out`` (``.npz``) and its config JSON.
+
+  Args:
+    directory: a run's ``out_dir`` or its ``checkpoints`` folder.
+    out: the ``.npz`` path; the JSON goes next to it with the suffix ``.json``.
+    step: the checkpoint step (default: the latest).
+
+  Returns:
+    The JSON document written (``model``, ``framework``, ``step``, ``weights``).
+  """
+  import layers
+  from partition._io import atomic_write
+
+  out = pathlib.Path(out)
+  params, meta, step = restore_params(directory, step)
+  canonical = {name: _storable(v) for name, v in layers.to_canonical(params).items()}
+  buffer = io.BytesIO()
+  np.savez(buffer, **canonical)
+  doc = {"model": meta["config"]["model"], "framework": meta["config"]["framework"],
+         "step": step, "checkpoint": str(checkpoint_dir(directory).absolute()),
+         "weights": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
+                     for k, v in sorted(canonical.items())}}
+  atomic_write(out, buffer.getvalue())
+  atomic_write(config_path(out), json.dumps(doc, indent=2, sort_keys=True) + "\n")
+  return doc
+
+
+def config_path(out: str | pathlib.Path) -> pathlib.Path:
+  return pathlib.Path(out).with_suffix(".json")
+
+
+def load(path: str | pathlib.Path) -> tuple[dict[str, np.ndarray], Any]:
+  """``(weights, TransformerConfig)`` of an export: feed ``weights`` to
+  ``layers.from_canonical(weights, like=params)`` of a model built from the config."""
+  import layers
+  with np.load(path) as f:
+    weights = {k: f[k] for k in f.files}
+  doc = json.loads(config_path(path).read_text())
+  return weights, layers.TransformerConfig(**doc["model"])
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(prog="python -m recipes.export",
+                                   description=__doc__.splitlines()[0])
+  parser.add_argument("--checkpoint", required=True, metavar="DIR",
+                      help="a run's out_dir or its checkpoints/ folder")
+  parser.add_argument("--step", type=int, default=None, help="default: the latest step")
+  parser.add_argument("--out", required=True, help="the .npz to write (and OUT.json)")
+  return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args = parse_args(argv)
+  try:
+    doc = export(args.checkpoint, args.out, args.step)
+  except (ExportError, PartitionError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  count = sum(int(np.prod(w["shape"])) for w in doc["weights"].values())
+  print(f"wrote {args.out} ({len(doc['weights'])} arrays, {count:,} parameters; "
+        f"{doc['framework']} step {doc['step']}) and {config_path(args.out)}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,124 @@
+"""``python -m recipes.export``: a linen run's checkpoint as canonical weights, loaded into
+Haiku and NNX (``layers.from_canonical``) gives the logits of the trained linen model.
+
+Reference: the trained params restored by the training recipe's own resume path
+(``Checkpointer.restore_like`` onto the run's 8-device shardings) applied by linen.
+"""
+
+import json
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import layers
+from layers import haiku as layers_hk
+from layers import linen as layers_linen
+from layers import nnx as layers_nnx
+from recipes import checkpoint, export, train
+from recipes.config import load_config
+
+TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
+        "seq_len=8", "steps=2", "eval_every=2", "eval_batches=1", "checkpoint_every=1",
+        "plot=false", "framework=linen"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A 2-step linen run (checkpoints at steps 1 and 2), its trained params and logits."""
+  out = tmp_path_factory.mktemp("run")
+  config = load_config(train.default_config_path(), TINY + [f"out_dir={out}"])
+  train.train(config, progress=False, out=open("/dev/null", "w"))
+  run = train.build_run(config)
+  init_params = jax.tree.map(np.asarray, run.state["params"])
+  ckpt = checkpoint.Checkpointer(out / "checkpoints")
+  params = ckpt.restore_like(2, run.state)["params"]
+  ckpt.close()
+  tokens = jax.random.randint(jax.random.key(7), (2, 8), 0, config.model.vocab_size)
+  logits = np.asarray(run.model.apply(params, tokens))
+  return {"out": out, "config": config, "params": params, "init": init_params,
+          "tokens": tokens, "logits": logits}
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+  path = tmp_path_factory.mktemp("export") / "weights.npz"
+  assert export.main(["--checkpoint", str(trained["out"]), "--out", str(path)]) == 0
+  return path
+
+
+def test_training_changed_the_params(trained):
+  moved = [not np.array_equal(a, np.asarray(b)) for a, b in
+           zip(jax.tree.leaves(trained["init"]), jax.tree.leaves(trained["params"]))]
+  assert all(moved)
+
+
+def test_files_and_config(trained, exported):
+  doc = json.loads(exported.with_suffix(".json").read_text())
+  assert doc["framework"] == "linen" and doc["step"] == 2
+  weights, model_config = export.load(exported)
+  assert model_config == trained["config"].model
+  assert sorted(doc["weights"]) == sorted(weights)
+  # every parameter exactly once, blocks stacked on a leading layers dim
+  assert sum(w.size for w in weights.values()) == sum(
+      x.size for x in jax.tree.leaves(trained["params"]))
+  assert weights["blocks/attn/query/kernel"].shape == (1, 16, 4, 16)
+  assert not list(exported.parent.glob("*.tmp*"))  # atomic writes leave nothing behind
+
+
+def test_linen_round_trip_is_exact(trained, exported):
+  weights, model_config = export.load(exported)
+  tokens = trained["tokens"]
+  fresh = layers_linen.Transformer(model_config).init(jax.random.key(1), tokens)
+  loaded = layers.from_canonical(weights, like=fresh)
+  theirs = jax.tree.leaves(trained["params"])
+  ours = jax.tree.leaves(loaded["params"])
+  assert len(ours) == len(theirs)
+  for a, b in zip(ours, theirs):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_haiku_logits_equal_linen(trained, exported):
+  weights, model_config = export.load(exported)
+  tokens = trained["tokens"]
+  model = hk.transform(lambda t: layers_hk.Transformer(model_config)(t))
+  fresh = model.init(jax.random.key(1), tokens)
+  loaded = layers.from_canonical(weights, like=fresh)
+  logits = model.apply(loaded, None, tokens)
+  np.testing.assert_allclose(logits, trained["logits"], rtol=1e-5, atol=1e-6)
+  # a model that did not get the weights disagrees (the comparison can fail)
+  assert not np.allclose(model.apply(fresh, None, tokens), trained["logits"], rtol=1e-2)
+
+
+def test_nnx_logits_equal_linen(trained, exported):
+  weights, model_config = export.load(exported)
+  tokens = trained["tokens"]
+  fresh = layers_nnx.Transformer(model_config, rngs=nnx.Rngs(1))
+  loaded = layers.from_canonical(weights, like=fresh)
+  np.testing.assert_allclose(loaded(jnp.asarray(tokens)), trained["logits"], rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_step_choice_and_errors(trained, tmp_path, capsys):
+  first = tmp_path / "step1.npz"
+  assert export.main(["--checkpoint", str(trained["out"] / "checkpoints"), "--step", "1",
+                      "--out", str(first)]) == 0
+  assert json.loads(first.with_suffix(".json").read_text())["step"] == 1
+  w1, _ = export.load(first)
+  w2 = layers.to_canonical(jax.tree.map(np.asarray, trained["params"]))
+  assert not np.array_equal(w1["embed/embedding"], np.asarray(w2["embed/embedding"]))
+
+  assert export.main(["--checkpoint", str(trained["out"]), "--step", "7",
+                      "--out", str(tmp_path / "x.npz")]) == 2
+  assert "--step 7: no such checkpoint" in (err := capsys.readouterr().err)
+  assert "it has steps [1, 2]" in err
+  assert export.main(["--checkpoint", str(tmp_path / "nope"), "--out",
+                      str(tmp_path / "x.npz")]) == 2
+  assert "does not exist. Pass the out_dir" in capsys.readouterr().err
+  assert export.main(["--checkpoint", str(trained["out"]), "--out",
+                      str(tmp_path / "missing_dir" / "x.npz")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+  assert not (tmp_path / "x.npz").exists()
