@@ -260,7 +260,7 @@ class _BatchPlan:
           fix="Give every batch leaf one logical name per dim, including the batch axis "
               f"{name!r} (or set batch_axis=)."))
     size = np.shape(leaves[0][1])[dims[0]] if leaves else 0
-    mesh_axes, loops = _batch_resources(name, axes_leaves, leaves, dims, rules, mesh)
+    mesh_axes, loops = _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh)
     k = config.microbatches or math.prod(lp for lp in loops) or 1
     if loops and config.microbatches and config.microbatches != math.prod(loops):
       raise AxisSizeError(f"value_and_grad: microbatches={config.microbatches}, but the rules "
@@ -308,13 +308,14 @@ def _broadcast_axes(batch_axes, batch):
   return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(batch), per_leaf)
 
 
-def _batch_resources(name, axes_leaves, leaves, dims, rules, mesh):
+def _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh):
   """The mesh axes the batch dim is sharded over (as the rules place the first leaf) and the
-  serial-loop lengths the rules give the batch axis."""
+  serial-loop lengths the rules give the batch axis (resolved as xmap resolves them: a rule
+  whose mesh axes and loops do not divide the batch falls back to the next one)."""
   if rules is None:
     return (), ()
-  loops = tuple(r.length for r in rules.xmap_resources([name]).get(name, ())
-                if isinstance(r, SerialLoop))
+  resources = rules.xmap_resources([name], mesh=mesh, sizes={name: size}).get(name, ())
+  loops = tuple(r.length for r in resources if isinstance(r, SerialLoop))
   if mesh is None or not leaves:
     return (), loops
   x = leaves[0][1]

@@ -187,12 +187,18 @@ def _is_name(x: Any) -> bool:
   return isinstance(x, str)
 
 
+_CONTAINERS = (Mapping, list, tuple, Reduction, Logical, PartitionSpec)
+
+
 def is_spec_leaf(x: Any) -> bool:
   """Whether ``x`` is a spec leaf rather than a pytree node of specs."""
   if x is None or isinstance(x, (Reduction, Logical, PartitionSpec)):
     return True
   if isinstance(x, Mapping):
-    return all(isinstance(k, int) and not isinstance(k, bool) for k in x)
+    # {0: 'batch'} is a leaf; {0: {...}, 1: {...}} (an NNX list of layers) is a container
+    # of specs: int keys alone do not decide, the values do.
+    return (all(isinstance(k, int) and not isinstance(k, bool) for k in x)
+            and not any(isinstance(v, _CONTAINERS) for v in x.values()))
   if isinstance(x, (list, tuple)):
     if all(e is None or e is Ellipsis or _is_name(e) for e in x):
       return True

@@ -39,7 +39,8 @@ def path_of(key_path) -> str:
 def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:
   """``{path: logical axes}`` for every array of ``tree`` (JSON-ready); ``axes_tree`` is a
   prefix of ``tree`` whose leaves are axes tuples or ``None``."""
-  is_axes = lambda a: a is None or (isinstance(a, tuple) and all(
+  # type() is tuple: optax states are NamedTuples, e.g. ScaleByScheduleState(count=None)
+  is_axes = lambda a: a is None or (type(a) is tuple and all(
       n is None or isinstance(n, str) for n in a))
   structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes)
   per_leaf = [a for a, sub in zip(structure.flatten_up_to(axes_tree),
@@ -69,7 +70,10 @@ class Checkpointer:
     self.directory = pathlib.Path(directory).absolute()
     self.manager = ocp.CheckpointManager(
         self.directory, options=ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True))
+            max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True),
+        # Named handlers, so a fresh manager can read metadata it did not write itself.
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, state: Any, axes: Any, extra: dict[str, Any] | None = None) -> None:
     """Saves ``state`` (returns at once: the write finishes in the background)."""

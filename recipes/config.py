@@ -78,7 +78,7 @@ class TrainConfig:
   rules: tuple[str, ...] = ()       # overrides of the preset, e.g. ('mlp=tensor',)
   mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 2, "fsdp": 2,
                                                                     "tensor": 2})
-  microbatches: int = 1
+  microbatches: int | None = None  # None: the serial loops the preset gives 'batch', else 1
   steps: int = 200
   batch_size: int = 32
   seq_len: int = 16
@@ -258,7 +258,7 @@ def _semantic_problems(c: TrainConfig) -> list[str]:
                     f"{did_you_mean(c.data.task, TASKS)}")
   for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "log_every",
                "eval_batches"):
-    if getattr(c, name) < 1:
+    if getattr(c, name) is not None and getattr(c, name) < 1:
       problems.append(f"{name}={getattr(c, name)} must be >= 1")
   if c.checkpoint_every < 0:
     problems.append(f"checkpoint_every={c.checkpoint_every} must be >= 0 (0: only at the end)")

@@ -169,7 +169,7 @@ def build_run(config: TrainConfig) -> Run:
     (loss, aux), grads = grad_fn(state["params"], batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, **aux, "grad_norm": optax.global_norm(grads),
+    metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule(state["step"])}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -209,8 +209,13 @@ def evaluate(run: Run, params) -> dict[str, float]:
   return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
-def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout) -> dict[str, Any]:
-  """Runs training; returns the summary (also printed and written to out_dir)."""
+def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
+          stop_after: int | None = None) -> dict[str, Any]:
+  """Runs training; returns the summary (also printed and written to out_dir).
+
+  ``stop_after`` ends the run after that step as a killed job would: no final checkpoint,
+  no summary (returns ``{}``). ``resume=true`` then continues from the last checkpoint.
+  """
   import jax
 
   from recipes import checkpoint as ckpt_lib
@@ -247,6 +252,10 @@ def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout) -> dict
       if config.checkpoint_every and done % config.checkpoint_every == 0:
         ckpt.save(done, run.state, run.state_axes, extra)
       bar.update(done, record)
+      if stop_after is not None and done >= stop_after:
+        metrics_log.flush()
+        ckpt.close()
+        return {}
   if ckpt.latest_step() != config.steps:
     ckpt.save(config.steps, run.state, run.state_axes, extra)
   ckpt.close()

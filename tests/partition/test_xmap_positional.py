@@ -214,3 +214,18 @@ def test_logical_spelling_errors():
     Logical(("embed", "mlp"))
   with pytest.raises(partition.SpecError, match=r"named= takes a dict or list spec"):
     xmap(lambda x: x, Logical("a", named=P("x")), [...])
+
+
+def test_int_keyed_containers_are_not_spec_leaves():
+  """NNX keeps lists of layers as {0: {...}, 1: {...}}: a container of specs, not a
+  {dim: name} leaf."""
+  mesh = _mesh(AxisType.Auto)
+  params = {"blocks": {0: {"w": np.ones((8, 4), np.float32)},
+                       1: {"w": np.full((8, 4), 2.0, np.float32)}}}
+  specs = {"blocks": {0: {"w": P("fsdp")}, 1: {"w": P(None, "tensor")}}}
+  f = xmap(lambda p: jax.tree.map(lambda w: w * 3, p), in_axes=(specs,), out_axes=specs,
+           mesh=mesh)
+  got = f(params)
+  np.testing.assert_allclose(got["blocks"][1]["w"], params["blocks"][1]["w"] * 3)
+  assert _norm(got["blocks"][0]["w"].sharding.spec) == P("fsdp")
+  assert _norm(got["blocks"][1]["w"].sharding.spec) == P(None, "tensor")
