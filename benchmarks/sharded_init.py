@@ -30,6 +30,7 @@ import partition.flax
 from benchmarks.common import (
   COMPILE_TARGET,
   MEMORY_TARGET,
+  Check,
   Row,
   Section,
   auto_mesh,
@@ -76,14 +77,13 @@ def run(quick: bool) -> Section:
 
   first = interleaved([ours, baseline], 1, warm=False)  # trace + compile + run, once each
   a, b = nn.unbox(ours()), nn.unbox(baseline())
-  section.check("transformer init", a, b, rtol=0, atol=0)
-  same = [x.sharding.spec for x in jax.tree.leaves(a)] == \
-         [x.sharding.spec for x in jax.tree.leaves(b)]
-  from benchmarks.common import Check
-  section.checks.append(Check(NAME, "transformer init: shardings equal", 0.0 if same else
-                              float("inf"), 0.0, 0.0, same))
   n = sum(x.size for x in jax.tree.leaves(a))
   workload = f"Transformer {n / 1e6:.2f}M params, fsdp_tp, mesh (2,2,2)"
+  section.check(workload, a, b, rtol=0, atol=0)
+  same = [x.sharding.spec for x in jax.tree.leaves(a)] == \
+         [x.sharding.spec for x in jax.tree.leaves(b)]
+  section.checks.append(Check(NAME, f"{workload}: shardings equal", 0.0 if same else
+                              float("inf"), 0.0, 0.0, same))
   log(f"  {workload}")
 
   def fresh(f):

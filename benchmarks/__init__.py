@@ -1,0 +1,1 @@
+"""named-partition benchmarks: ``python -m benchmarks`` (see benchmarks/README.md)."""
