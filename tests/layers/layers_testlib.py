@@ -6,11 +6,16 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType
 
 import layers
 import layers.haiku
 import layers.linen
 import layers.nnx
+import partition
+import partition.flax
+import partition.haiku
+import partition.nnx
 from layers._canonical import canonical_name
 
 FRAMEWORKS = ("linen", "nnx", "haiku")
@@ -20,6 +25,11 @@ CFG = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_head
                                num_kv_heads=2, head_dim=8, num_layers=2)
 TOKENS = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
 TARGETS = jax.random.randint(jax.random.key(2), (4, 8), 0, 64)
+MESH = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+FSDP_TP = partition.AxisRules([
+    ("batch", ("data", "fsdp")), ("batch", "data"), ("length", None), ("mlp", "tensor"),
+    ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"), ("embed", "fsdp"),
+    ("expert", None), ("head_dim", None), ("layers", None)])
 
 
 def config(**changes):
@@ -71,3 +81,14 @@ def canonical_axes(axes_tree):
     name, index = canonical_name(parts)
     out[name] = axes if index is None or axes is None else ("layers", *axes)
   return out
+
+
+def init_sharded(m, rules, mesh=MESH, tokens=TOKENS):
+  """``m``'s params created sharded by its framework's adapter (NNX: the state)."""
+  if m.framework == "linen":
+    return partition.flax.init_sharded(m.init, jax.random.key(0), tokens, rules=rules,
+                                       mesh=mesh)
+  if m.framework == "nnx":
+    return nnx.state(partition.nnx.init_sharded(m.init, rules=rules, mesh=mesh))
+  return partition.haiku.init_sharded(m.init, jax.random.key(0), tokens, rules=rules,
+                                      mesh=mesh)

@@ -11,23 +11,13 @@ sums (tensor parallelism, gradient reduction).
 import jax
 import numpy as np
 import pytest
-from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from layers_testlib import TARGETS, TOKENS, build, config, loss_fn
+from layers_testlib import FSDP_TP, MESH, TARGETS, TOKENS, build, config, init_sharded, loss_fn
 
 import layers
-import layers.nnx
 import partition
-import partition.flax
-import partition.haiku
-import partition.nnx
 
-MESH = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
-FSDP_TP = partition.AxisRules([
-    ("batch", ("data", "fsdp")), ("batch", "data"), ("length", None), ("mlp", "tensor"),
-    ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"), ("embed", "fsdp"),
-    ("expert", None), ("head_dim", None), ("layers", None)])
 # Expert parallelism: experts over 'tensor', the rest FSDP.
 EXPERT = FSDP_TP.override("expert=tensor", "mlp=null", "heads=null", "kv_heads=null",
                           "vocab=null")
@@ -35,15 +25,7 @@ EXPERT = FSDP_TP.override("expert=tensor", "mlp=null", "heads=null", "kv_heads=n
 
 def _init_sharded(framework, cfg, rules):
   m = build(framework, cfg)
-  if framework == "linen":
-    params = partition.flax.init_sharded(m.init, jax.random.key(0), TOKENS, rules=rules,
-                                         mesh=MESH)
-  elif framework == "nnx":
-    params = nnx.state(partition.nnx.init_sharded(m.init, rules=rules, mesh=MESH))
-  else:
-    params = partition.haiku.init_sharded(m.init, jax.random.key(0), TOKENS, rules=rules,
-                                          mesh=MESH)
-  return m, params
+  return m, init_sharded(m, rules)
 
 
 def _spec(params, name):
