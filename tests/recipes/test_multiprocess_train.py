@@ -1,0 +1,102 @@
+"""``python -m recipes.train`` as 2 local processes x 4 CPU devices (``jax.distributed``, gloo
+collectives over loopback) against 1 process x 8 devices: the same losses, eval numbers and
+checkpointed params.
+
+The children are the real entry point started with ``subprocess`` and the
+``distributed.*`` flags; this test process (8 CPU devices from conftest) runs the one-process
+reference with ``train.train`` while they work, then reads what they wrote.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from recipes import checkpoint, train
+from recipes.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 240
+TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
+        "seq_len=8", "steps=3", "eval_every=3", "eval_batches=1", "checkpoint_every=0",
+        "preset=fsdp_tp", "mesh={data: 2, fsdp: 2, tensor: 2}", "microbatches=2"]
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _start_cluster(out_dir: Path) -> list[subprocess.Popen]:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)  # the children choose their own device count
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+  flags = TINY + [f"out_dir={out_dir}", "plot=true",
+                  f"distributed.coordinator=127.0.0.1:{_free_port()}",
+                  "distributed.num_processes=2", "distributed.local_devices=4"]
+  return [subprocess.Popen([sys.executable, "-m", "recipes.train", *flags,
+                            f"distributed.process_id={i}"], cwd=REPO, env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+          for i in range(2)]
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[str]:
+  logs, stdouts, failed = [], [], False
+  for i, p in enumerate(procs):
+    try:
+      stdout, stderr = p.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      stdout, stderr = p.communicate()
+      failed = True
+      logs.append(f"--- process {i}: TIMEOUT after {TIMEOUT_S} s")
+    stderr = "\n".join(line for line in stderr.splitlines() if "[Gloo]" not in line)
+    logs.append(f"--- process {i} (rc={p.returncode}) stdout:\n{stdout}\n--- stderr:\n"
+                f"{stderr[-4000:]}")
+    failed |= p.returncode != 0
+    stdouts.append(stdout)
+  if failed:
+    pytest.fail("multi-process training failed:\n" + "\n".join(logs), pytrace=False)
+  return stdouts
+
+
+def _records(out_dir: Path) -> list[dict]:
+  return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_train_like_one(tmp_path):
+  procs = _start_cluster(tmp_path / "mp")
+  try:
+    ref_dir = tmp_path / "ref"
+    train.train(load_config(train.default_config_path(),
+                            TINY + [f"out_dir={ref_dir}", "plot=false"]),
+                progress=False, out=open(os.devnull, "w"))
+  finally:
+    stdouts = _wait(procs)
+  ours, ref = _records(tmp_path / "mp"), _records(ref_dir)
+  assert [r["step"] for r in ours] == [1, 2, 3]
+  np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in ref], rtol=1e-5)
+  for key in ("eval_loss", "accuracy", "grad_norm"):
+    np.testing.assert_allclose(ours[-1][key], ref[-1][key], rtol=1e-5)
+  # both processes ran all steps and print the same final loss
+  final = f"{ref[-1]['loss']:.4f}"
+  assert all("final train loss" in s and final in s for s in stdouts), stdouts
+  # the plot comes from process 0 only; the checkpoint was written by both processes together
+  assert (tmp_path / "mp" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  restored = []
+  for out in (tmp_path / "mp", ref_dir):
+    ckpt = checkpoint.Checkpointer(out / "checkpoints")
+    assert ckpt.all_steps() == [3]
+    restored.append(ckpt.restore_on(3, mesh)[0])
+    ckpt.close()
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                       rtol=1e-5, atol=1e-7), *restored)
