@@ -39,7 +39,7 @@ def as_rules(rules: Any) -> AxisRules:
   """``rules`` as an :class:`AxisRules`: a table, a list of pairs, a mapping or a file path."""
   if isinstance(rules, AxisRules):
     return rules
-  if isinstance(rules, (str, os.PathLike)):
+  if isinstance(rules, (str, bytes, os.PathLike)):
     return AxisRules.from_file(rules)
   return AxisRules(rules)
 
@@ -73,7 +73,7 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[AxisRules]:
   """
   old_rules, old_mesh = _STATE.get()
   new_rules = old_rules if rules is None else as_rules(rules)
-  new_mesh = old_mesh if mesh is None else current_mesh(mesh)  # validates the type
+  new_mesh = old_mesh if mesh is None else current_mesh(mesh, "partition.axis_rules")
   token = _STATE.set((new_rules, new_mesh))
   try:
     with contextlib.ExitStack() as stack:

@@ -19,12 +19,13 @@ from partition._errors import MeshError
 AnyMesh = Mesh | AbstractMesh
 
 
-def current_mesh(mesh: AnyMesh | None = None) -> AnyMesh | None:
+def current_mesh(mesh: AnyMesh | None = None, api: str = "partition") -> AnyMesh | None:
   """Returns ``mesh`` if given, else the mesh in context, else ``None``."""
   if mesh is not None:
     if not isinstance(mesh, (Mesh, AbstractMesh)):
       raise MeshError(
-          f"mesh= must be a jax.sharding.Mesh or AbstractMesh, got {type(mesh).__name__}. "
+          f"{api}: mesh= must be a jax.sharding.Mesh or AbstractMesh, got "
+          f"{type(mesh).__name__}. "
           "Build one with jax.make_mesh(shape, names).")
     return None if mesh.empty else mesh
   try:

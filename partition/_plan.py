@@ -224,8 +224,11 @@ def _check_mesh_axes(resources, mesh, mesh_sizes, fun):
   if used and mesh is None:
     raise MeshError(format_message(
         f"xmap({fun}): axis_resources uses mesh axes {used}, but there is no mesh.",
-        context=["The legacy `with mesh:` context is not visible to public JAX APIs."],
-        fix="Pass mesh=jax.make_mesh(...) to xmap, or call it under `with jax.set_mesh(mesh):`."))
+        context=["The legacy `with mesh:` context is not visible to public JAX APIs.",
+                 "A name bound by `with partition.serial_loop(name, n):` counts as a loop only "
+                 "inside that block."],
+        fix="Pass mesh=jax.make_mesh(...) to xmap, or call it under `with jax.set_mesh(mesh):`"
+            "; or, for a serial loop, call the xmap inside its serial_loop block."))
   missing = [a for a in used if a not in mesh_sizes]
   if missing:
     raise MeshError(format_message(

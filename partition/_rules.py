@@ -39,6 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 from partition import _config
 from partition._config import Resource, RulesError, RulesTypeError, Value, short
 from partition._errors import MeshError, format_message
+from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
 from partition._resources import SerialLoop, named_loops
@@ -91,8 +92,9 @@ class AxisRules:
   in order, each dim with that logical name that is still unassigned gets the rule's mesh
   axes, unless one of them is already used by another dim of the array. A ``None`` rule
   claims the dim as replicated; names no rule assigns are replicated. With a mesh, size-1
-  axes and axes the mesh lacks are dropped; with a shape too, a candidate that does not
-  divide the dim is skipped and the next rule tried.
+  axes and axes the mesh lacks still count as used (as in flax) but are dropped from the
+  final spec; with a shape too, a candidate that does not divide the dim is skipped and the
+  next rule tried.
 
   Walking ``(('batch', 'X'), ('features', 'X'), ('heads', 'Y'), ('batch', 'Z'))`` over the
   axes ``('batch', 'length', 'heads', 'features')``: ``batch`` takes ``X``; ``features``
@@ -549,7 +551,7 @@ def _unsortable_dict(tree: Any) -> str | None:
 
 def _mismatch(axes_tree: Any, shapes: Any) -> list[str]:
   """The keypaths that differ between the logical-axes tree and the shapes tree."""
-  keystr = jax.tree_util.keystr
+  keystr = path_str
   axes_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
       axes_tree, is_leaf=is_axes_leaf)[0]]
   shape_paths = [keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]]
@@ -566,7 +568,7 @@ def map_axes_tree(fn, axes_tree: Any, shapes: Any, api: str) -> Any:
   kinds: set[type] = set()
 
   def one(path, axes, leaf=None):
-    where = jax.tree_util.keystr(path) or "<root>"
+    where = path_str(path) or "<root>"
     if leaf is not None and not hasattr(leaf, "shape"):
       problems.append(f"{where}: expected an array or ShapeDtypeStruct, got "
                       f"{type(leaf).__name__} {short(leaf)}")

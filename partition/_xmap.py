@@ -126,7 +126,7 @@ class XMapped:
     self._axis_sizes = _check_axis_sizes(axis_sizes, self._name)
     self._axis_resources = axis_resources
     self._donate = _check_donate(donate_argnums, self._name)
-    self._mesh = mesh
+    self._mesh = _mesh.current_mesh(mesh, f"xmap({self._name})") if mesh is not None else None
     # Everything that depends on in_axes/out_axes alone is read once, here.
     in_specs = parse_specs(self._in_axes, "in_axes")
     self._in_names = _defined_names(in_specs, self._axis_sizes)

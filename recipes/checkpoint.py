@@ -19,21 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import partition
-
-SEP = "/"
-
-
-def path_of(key_path) -> str:
-  """``a/b/0/c`` for a JAX key path (the project's one path format)."""
-  parts = []
-  for k in key_path:
-    for attr in ("key", "idx", "name"):
-      if hasattr(k, attr):
-        parts.append(str(getattr(k, attr)))
-        break
-    else:
-      parts.append(str(k))
-  return SEP.join(parts)
+from partition._logical_axes import path_str as path_of
 
 
 def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:

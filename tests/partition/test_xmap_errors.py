@@ -637,8 +637,10 @@ def test_non_callable_fun():
 
 
 def test_bad_mesh_argument():
-  with _raises(ValueError, r"mesh= must be a jax\.sharding\.Mesh(?s:.*)jax\.make_mesh") as e:
-    xmap(ident, (["i", ...],), ["i", ...], mesh="x")(jnp.ones(8))
+  # raised by xmap(...) itself, naming it
+  with _raises(ValueError, r"xmap\(ident\): mesh= must be a jax\.sharding\.Mesh(?s:.*)"
+                           r"jax\.make_mesh") as e:
+    xmap(ident, (["i", ...],), ["i", ...], mesh="x")
   _check_type(e, ValueError)
 
 
