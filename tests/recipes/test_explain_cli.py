@@ -167,3 +167,17 @@ def test_cli_errors_exit_2_with_the_fix():
   assert "Give one axis -1 to fill them" in proc.stderr
   proc = _run_cli("stpes=3")
   assert proc.returncode == 2 and "Did you mean 'steps'?" in proc.stderr
+
+
+def test_python_m_recipes_lists_and_dispatches(capsys):
+  from recipes.__main__ import main
+  assert main([]) == 0
+  listing = capsys.readouterr().out
+  for command in ("train", "explain", "export"):
+    assert f"  {command} " in listing
+  assert "The sharding report of a training config, without training." in listing
+  assert main(["trian"]) == 2
+  assert "unknown command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+  # dispatch: recipes.explain's own argument check answers
+  assert main(["explain", "--devices", "16", *TINY]) == 2
+  assert "Give one axis -1 to fill them" in capsys.readouterr().err
