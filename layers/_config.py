@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from partition import PartitionError
 from partition._errors import format_message
@@ -67,11 +67,11 @@ def _relations(cfg: TransformerConfig) -> list[str]:
 
 def _dtype(value: Any, field: str, problems: list[str]) -> Any:
   try:
-    dtype = np.dtype(value)
+    dtype = jnp.dtype(value)
   except TypeError:
     problems.append(f"{field}={value!r} is not a dtype (use e.g. 'float32' or 'bfloat16')")
     return value
-  if not np.issubdtype(dtype, np.floating):
+  if not jnp.issubdtype(dtype, jnp.floating):   # numpy's check misses bfloat16
     problems.append(f"{field}={value!r} must be a floating dtype")
   return dtype
 

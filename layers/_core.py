@@ -67,7 +67,7 @@ def dense(x: Array, kernel: Array, bias: Array | None = None, *, contract: int =
   >>> dense(jnp.ones((2, 4)), jnp.ones((4, 3, 5))).shape
   (2, 3, 5)
   """
-  dtype = dtype or x.dtype
+  dtype = x.dtype if dtype is None else dtype
   y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=contract)
   return y if bias is None else y + bias.astype(dtype)
 
@@ -78,7 +78,7 @@ def embed(tokens: Array, table: Array, *, dtype: Any = None) -> Array:
   >>> embed(jnp.array([[0, 2]]), jnp.eye(3)).tolist()
   [[[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]]
   """
-  return jnp.take(table, tokens, axis=0).astype(dtype or table.dtype)
+  return jnp.take(table, tokens, axis=0).astype(table.dtype if dtype is None else dtype)
 
 
 def attend(x: Array, table: Array, *, dtype: Any = None) -> Array:
@@ -87,7 +87,7 @@ def attend(x: Array, table: Array, *, dtype: Any = None) -> Array:
   >>> attend(jnp.ones((2, 3)), jnp.ones((5, 3))).shape
   (2, 5)
   """
-  dtype = dtype or x.dtype
+  dtype = x.dtype if dtype is None else dtype
   return jnp.einsum("...e,ve->...v", x.astype(dtype), table.astype(dtype))
 
 

@@ -92,7 +92,7 @@ def experts(xe: Array, wi_gate: Array, wi_up: Array, wo: Array, *,
 
   ``wi_gate``, ``wi_up``: ``(expert, embed, mlp)``; ``wo``: ``(expert, mlp, embed)``.
   """
-  dtype = dtype or xe.dtype
+  dtype = xe.dtype if dtype is None else dtype
   act = ACTIVATIONS[activation]
   up = lambda w: jnp.einsum("becd,edm->becm", xe.astype(dtype), w.astype(dtype))
   h = partition.constrain(act(up(wi_gate)) * up(wi_up), EXPERT_HIDDEN)
@@ -116,7 +116,7 @@ def moe(x: Array, router: Array, wi_gate: Array, wi_up: Array, wo: Array, *, k: 
     ``(y, aux)``: ``y (batch, length, embed)`` constrained to ``('batch', 'length',
     'embed')``; ``aux`` has ``load_balance_loss`` and ``dropped_tokens`` scalars.
   """
-  dtype = dtype or x.dtype
+  dtype = x.dtype if dtype is None else dtype
   routing = route(dense(x, router, dtype=jnp.float32), k=k,
                   capacity_factor=capacity_factor)
   xe = jnp.einsum("blec,bld->becd", routing.dispatch.astype(dtype), x.astype(dtype))
