@@ -21,7 +21,12 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from recipes.config import TrainConfig, TrainConfigError, load_config
+if __name__ == "__main__":
+  # The CLI keeps XLA's C++ warnings (e.g. SPMD "involuntary full rematerialization" notes)
+  # out of the progress display; TF_CPP_MIN_LOG_LEVEL=0 shows them. Set before jaxlib loads.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from recipes.config import TrainConfig, TrainConfigError, load_config  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
