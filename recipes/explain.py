@@ -24,7 +24,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from partition import PartitionError
+if __name__ == "__main__":
+  # As python -m recipes.train: XLA's C++ warnings (SPMD rematerialization notes) stay out of
+  # the report; TF_CPP_MIN_LOG_LEVEL=0 shows them. Set before jaxlib loads.
+  import os
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from partition import PartitionError  # noqa: E402
 
 REPLICATED_WARN_BYTES = 1 << 20  # a replicated parameter above 1 MiB is worth a warning
 
@@ -350,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_mesh_size(config, args.devices)
     setup_devices(config, args.devices)
     p = plan(config, compile=not args.no_compile, replicated_warn_bytes=args.warn_replicated)
-  except (TrainConfigError, ExplainError) as e:
+  except (TrainConfigError, PartitionError) as e:  # config, rules, mesh: say what to fix
     print(f"error: {e}", file=sys.stderr)
     return 2
   if args.json:

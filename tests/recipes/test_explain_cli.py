@@ -67,6 +67,18 @@ def test_per_device_bytes_equal_the_real_shards(planned):
   assert plan.params.bytes_per_device < plan.params.total_bytes
 
 
+@pytest.mark.parametrize("framework", ["haiku", "nnx"])
+def test_other_frameworks_per_device_bytes(framework):
+  config = _config(f"framework={framework}")
+  plan, run = explain.plan(config, compile=False), train.build_run(config)
+  real = _by_path(run.state["params"])
+  assert sorted(r.path for r in plan.params.rows) == sorted(real)
+  for row in plan.params.rows:
+    assert row.bytes_per_device == _on_first_device(real[row.path]), row.path
+    assert plan.optimizer_by_param[row.path] == 2 * row.bytes_per_device, row.path
+  assert plan.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
+
+
 def test_optimizer_bytes_per_parameter_follow_adam_moments(planned):
   plan, run = planned
   real = _by_path(run.state["params"])
