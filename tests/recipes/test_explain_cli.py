@@ -193,3 +193,22 @@ def test_python_m_recipes_lists_and_dispatches(capsys):
   # dispatch: recipes.explain's own argument check answers
   assert main(["explain", "--devices", "16", *TINY]) == 2
   assert "Give one axis -1 to fill them" in capsys.readouterr().err
+
+
+def test_planning_a_big_model_allocates_nothing():
+  """A 0.55 B-parameter plan (2.2 GB of params, 6.6 GB with AdamW) compiled for 8 devices in a
+  process whose peak memory stays far below the params: nothing was materialised."""
+  import resource
+  big = ["model.embed_dim=2048", "model.mlp_dim=8192", "model.num_heads=16",
+         "model.num_kv_heads=8", "model.head_dim=128", "model.num_layers=8",
+         "model.vocab_size=32000", "model.max_len=128", "model.scan_layers=true",
+         "seq_len=128", "batch_size=8", "mesh={data: 1, fsdp: 4, tensor: 2}"]
+  proc = _run_cli("--devices", "8", "--json", *big)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  d = json.loads(proc.stdout)
+  params = d["totals"]["param_bytes_total"]
+  assert d["totals"]["num_params"] > 5 * 10**8 and params == 4 * d["totals"]["num_params"]
+  assert d["memory"]["argument"] > d["totals"]["state_bytes_per_device"]
+  # ru_maxrss of waited-for children (KiB on Linux): the largest child so far bounds this one
+  peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+  assert peak < params / 2, (peak, params)
