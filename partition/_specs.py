@@ -311,8 +311,27 @@ def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
   return leaves, parsed, paths, treedef
 
 
+def _check_sortable(tree: Any, arg_name: str, where: str = "") -> None:
+  """jax.tree_util sorts dict keys; keys of mixed types ({0: ..., 'i': ...}) cannot be."""
+  if isinstance(tree, Mapping):
+    try:
+      sorted(tree)
+    except TypeError:
+      raise SpecError(format_message(
+          f"xmap {arg_name}{where} = {tree!r} mixes key types "
+          f"({sorted({type(k).__name__ for k in tree})}).",
+          fix="A spec dict maps positional dims (int) to names, e.g. {0: 'batch'}; a "
+              "container of specs has the keys of the value it describes.")) from None
+    for k, v in tree.items():
+      _check_sortable(v, arg_name, f"{where}[{k!r}]")
+  elif isinstance(tree, (list, tuple)) and not isinstance(tree, PartitionSpec):
+    for i, v in enumerate(tree):
+      _check_sortable(v, arg_name, f"{where}[{i}]")
+
+
 def parse_specs(specs: Any, arg_name: str) -> list[AxisSpec | Reduction]:
   """Every spec leaf of an ``in_axes``/``out_axes`` tree, parsed (errors name its keypath)."""
+  _check_sortable(specs, arg_name)
   parsed = []
   for spec_path, raw in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec_leaf)[0]:
     where = jax.tree_util.keystr(spec_path)

@@ -163,7 +163,12 @@ class XMapped:
 
   def _prepare(self, args):
     # Hot path: one C++ flatten and a dict lookup; specs are re-read only on a miss.
-    leaves, treedef = jax.tree_util.tree_flatten(args)
+    try:
+      leaves, treedef = jax.tree_util.tree_flatten(args)
+    except ValueError as e:  # dict keys of mixed types cannot be sorted
+      raise SpecError(format_message(
+          f"xmap({self._name}): the arguments are not a valid pytree: {e}",
+          fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
     mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
     rules = self._rules()
     key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
