@@ -122,3 +122,28 @@ def test_step_choice_and_errors(trained, tmp_path, capsys):
                       str(tmp_path / "missing_dir" / "x.npz")]) == 2
   assert "does not exist" in capsys.readouterr().err
   assert not (tmp_path / "x.npz").exists()
+
+
+def test_bfloat16_params_round_trip_exactly(tmp_path):
+  """npz has no bfloat16: weights are stored as float32 (exact) and cast back on loading."""
+  out = tmp_path / "bf16"
+  config = load_config(train.default_config_path(),
+                       TINY + [f"out_dir={out}", "model.param_dtype=bfloat16",
+                               "model.dtype=bfloat16"])
+  run = train.build_run(config)  # a checkpoint as train() writes it (init params suffice)
+  trained = run.state["params"]
+  ckpt = checkpoint.Checkpointer(out / "checkpoints")
+  ckpt.save(1, run.state, run.state_axes, {"config": config.to_dict(),
+                                           "rules": run.rules.to_dict()})
+  ckpt.close()
+  path = tmp_path / "w.npz"
+  assert export.main(["--checkpoint", str(out), "--out", str(path)]) == 0
+  weights, model_config = export.load(path)
+  assert model_config.param_dtype == jnp.bfloat16
+  assert {w.dtype for w in weights.values()} == {np.dtype(np.float32)}
+  tokens = jnp.zeros((1, 8), jnp.int32)
+  fresh = layers_linen.Transformer(model_config).init(jax.random.key(1), tokens)
+  loaded = layers.from_canonical(weights, like=fresh)["params"]
+  for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
+    assert a.dtype == b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
