@@ -323,17 +323,18 @@ def setup_devices(config, devices: int | None) -> None:
     train.setup_devices(config)
     return
   import jax
-  if devices < 1:
-    raise ExplainError(f"--devices {devices}: give a positive number of devices, e.g. "
-                       "--devices 64.")
   jax.config.update("jax_platforms", "cpu")  # planning happens on virtual CPU devices
   jax.config.update("jax_num_cpu_devices", devices)
 
 
 def check_mesh_size(config, devices: int | None) -> None:
-  """With ``--devices N`` the mesh must use all N devices (else the plan is for fewer)."""
+  """With ``--devices N``: N is positive and the mesh uses all N devices (else the plan
+  would be for fewer)."""
   if devices is None:
     return
+  if devices < 1:
+    raise ExplainError(f"--devices {devices}: give a positive number of devices, e.g. "
+                       "--devices 64.")
   sizes = list(config.mesh.values())
   fixed = math.prod(v for v in sizes if v > 0)
   fills = -1 in sizes
