@@ -391,8 +391,11 @@ def time_pair(section: Section, w: Pair, budget: Budget, *, memory_row: bool = F
       first.append(time.perf_counter() - t)
     section.check(w.name, *map(compare, results))
     steady = lambda: steady_state((ours, base), w.args, budget.repeats, budget.warmup)
-    section.rows.append(_timed_row(section, w, "steady-state time", "steady", steady,
-                                   steady_target, budget.compile_repeats > 0))
+    row = _timed_row(section, w, "steady-state time", "steady", steady, steady_target,
+                     budget.compile_repeats > 0)
+    if row.status == "MISS" and budget.compile_repeats:
+      row.note += f"; A/A {_noise(w, base, budget):.3f}"
+    section.rows.append(row)
   if budget.compile_repeats:
     # The check above already warmed imports and XLA's one-time setup.
     compile_ = lambda: compile_times(w.make, w.args, budget.compile_repeats,
@@ -408,6 +411,15 @@ def time_pair(section: Section, w: Pair, budget: Budget, *, memory_row: bool = F
     section.rows.append(Row(section.name, w.name, "temp memory", m_ours, m_base, "bytes",
                             MEMORY_TARGET,
                             _note(w, "memory", m_ours / max(m_base, 1), MEMORY_TARGET)))
+
+
+def _noise(w: Pair, base: Callable, budget: Budget) -> float:
+  """The baseline against a second copy of itself, measured like a pair: how far from 1 a
+  ratio moves on this machine right now (a miss by less is measurement noise)."""
+  twin = w.make()[1]
+  twin(*w.args)  # compile the copy before timing
+  a, b = steady_state((twin, base), w.args, budget.repeats, budget.warmup)
+  return a / b
 
 
 def _timed_row(section: Section, w: Pair, metric: str, kind: str,

@@ -70,8 +70,8 @@ def plots(sections: list[Section], out: Path) -> list[Path]:
 
 def _ratios(plt, sections: list[Section], path: Path) -> Path:
   rows = [r for s in sections for r in s.rows if r.target is not None]
-  labels = [f"{r.section[:12]}: {r.workload[:22]} / {r.metric[:26]}" for r in rows]
-  fig, ax = plt.subplots(figsize=(9, 0.22 * len(rows) + 1.2))
+  labels = [f"{r.workload[:24]} / {r.metric[:44]}" for r in rows]
+  fig, ax = plt.subplots(figsize=(10, 0.22 * len(rows) + 1.2))
   y = range(len(rows))
   colors = ["tab:green" if r.status == "PASS" else "tab:red" for r in rows]
   ax.barh(y, [min(r.ratio, 3.0) for r in rows], color=colors)
