@@ -164,7 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
     doc = export(args.checkpoint, args.out, args.step)
-  except (ExportError, PartitionError) as e:
+  except PartitionError as e:  # ExportError, FileError: say what to fix
     print(f"error: {e}", file=sys.stderr)
     return 2
   count = sum(int(np.prod(w["shape"])) for w in doc["weights"].values())
