@@ -94,3 +94,21 @@ def moe_params(embed_dim: int, mlp_dim: int, num_experts: int) -> dict[str, Para
       "wi_up": ParamSpec((n, e, m), ("expert", "embed", "mlp"), _fan_in(1, 3, (0,))),
       "wo": ParamSpec((n, m, e), ("expert", "mlp", "embed"), _fan_in(1, 3, (0,))),
   }
+
+
+def check_tokens(tokens: jax.Array, max_len: int, where: str) -> None:
+  """Raises ``LayerArgumentError`` unless ``tokens`` is ``(batch, length <= max_len)`` ints."""
+  problems = []
+  if getattr(tokens, "ndim", None) != 2:
+    problems.append(f"tokens has shape {getattr(tokens, 'shape', None)}; expected "
+                    "(batch, length)")
+  elif tokens.shape[1] > max_len:
+    problems.append(f"tokens has length {tokens.shape[1]} > config.max_len={max_len}")
+  if not jax.numpy.issubdtype(getattr(tokens, "dtype", float), jax.numpy.integer):
+    problems.append(f"tokens has dtype {getattr(tokens, 'dtype', type(tokens))}; expected "
+                    "integer token ids")
+  if problems:
+    raise LayerArgumentError(format_message(
+        f"{where}: bad tokens.", bullets=problems,
+        fix="Pass int token ids of shape (batch, length) with length <= max_len (raise "
+            "max_len in the TransformerConfig for longer sequences)."))

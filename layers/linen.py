@@ -28,7 +28,14 @@ import jax.numpy as jnp
 import partition
 from layers import _core, _moe
 from layers._config import TransformerConfig
-from layers._params import ParamSpec, dense_params, embed_params, moe_params, norm_params
+from layers._params import (
+    ParamSpec,
+    check_tokens,
+    dense_params,
+    embed_params,
+    moe_params,
+    norm_params,
+)
 
 Array = jax.Array
 
@@ -234,6 +241,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens: Array, valid: Array | None = None, *,
                return_aux: bool = False) -> Any:
     c = self.config
+    check_tokens(tokens, c.max_len, "layers.linen.Transformer")
     embed = Embed(c.vocab_size, c.embed_dim, dtype=c.dtype, param_dtype=c.param_dtype,
                   name="embed")
     x = embed(tokens)

@@ -28,7 +28,14 @@ from flax import nnx
 import partition
 from layers import _core, _moe
 from layers._config import TransformerConfig
-from layers._params import ParamSpec, dense_params, embed_params, moe_params, norm_params
+from layers._params import (
+    ParamSpec,
+    check_tokens,
+    dense_params,
+    embed_params,
+    moe_params,
+    norm_params,
+)
 
 Array = jax.Array
 
@@ -242,6 +249,7 @@ class Transformer(nnx.Module):
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
                return_aux: bool = False) -> Any:
+    check_tokens(tokens, self.config.max_len, "layers.nnx.Transformer")
     x = self.embed(tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x, aux = self._stack(x, _core.decoder_mask(tokens, valid), positions)

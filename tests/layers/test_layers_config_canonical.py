@@ -55,8 +55,8 @@ def test_dense_with_axes_of_the_wrong_rank_says_how_to_fix():
     layers.linen.Dense((4, 8), ("embed",), ("mlp",)).init(jax.random.key(0), jnp.ones((2, 3)))
 
 
-@pytest.mark.parametrize("source", FRAMEWORKS)
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("source,scan", [("linen", False), ("nnx", True), ("nnx", False),
+                                         ("haiku", True)])
 def test_canonical_round_trip_is_exact(source, scan):
   m = build(source, config(scan_layers=scan, num_experts=2, experts_per_token=1))
   weights = layers.to_canonical(m.params)
@@ -121,3 +121,15 @@ def test_docstring_examples_run(module):
   # pyproject's testpaths collect doctests of partition/ only; run layers/' here.
   result = doctest.testmod(importlib.import_module(f"layers.{module}"), verbose=False)
   assert result.failed == 0 and result.attempted > 0
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_transformer_rejects_bad_tokens_with_the_fix(framework):
+  m = build(framework, config(max_len=8))
+  with pytest.raises(LayerArgumentError,
+                     match=r"length 9 > config.max_len=8[\s\S]*raise max_len"):
+    m.apply(m.params, jnp.zeros((2, 9), jnp.int32))
+  with pytest.raises(LayerArgumentError, match=r"dtype float32; expected integer token ids"):
+    m.apply(m.params, jnp.zeros((2, 4), jnp.float32))
+  with pytest.raises(LayerArgumentError, match=r"shape \(8,\); expected \(batch, length\)"):
+    m.apply(m.params, jnp.zeros((8,), jnp.int32))

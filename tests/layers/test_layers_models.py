@@ -114,8 +114,9 @@ def test_scanned_equals_unrolled(framework):
   _close_trees(grads_s, grads_u)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("scan,remat", [(True, "full"), (False, "dots")])
+@pytest.mark.parametrize("framework,scan,remat", [
+    ("linen", True, "full"), ("nnx", True, "full"), ("haiku", True, "full"),
+    ("linen", False, "dots"), ("haiku", False, "dots_no_batch")])
 def test_remat_equals_no_remat(framework, scan, remat):
   plain = build(framework, config(scan_layers=scan))
   rematted = build(framework, config(scan_layers=scan, remat=remat))
