@@ -134,3 +134,16 @@ def test_reduce_scatter_and_tuple_bytes():
   assert c["reduce-scatter"]["wire_bytes"] == pytest.approx(4 * 8 * 2 * 8 * 7 / 8)
   assert c["all-reduce"]["result_bytes"] == 16 * 4
   assert c["all-reduce"]["wire_bytes"] == pytest.approx(2 * 16 * 4 * 1 / 2)
+
+
+def test_compact_table_for_the_readme(quick_run):
+  from benchmarks import report
+
+  _, data = quick_run
+  table = report.compact_markdown(data).splitlines()
+  targeted = [r for s in data["sections"] for r in s["rows"] if r["target"] is not None]
+  memory_rows = [r for r in targeted if r["section"] == "serial_loop_memory"]
+  assert len(table) == 2 + len(targeted) - len(memory_rows) + 2  # memory folded to 2 rows
+  assert all(line.count("|") == 8 for line in table)
+  statuses = [line.split("|")[6].strip() for line in table[2:]]
+  assert set(statuses) <= {"PASS", "MISS"}
