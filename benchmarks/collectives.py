@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from benchmarks.common import BYTES_TARGET, Check, Row, Section, auto_mesh, collectives, log
+from benchmarks.common import BYTES_TARGET, Row, Section, auto_mesh, collectives, log
 
 NAME = "collectives"
 TITLE = "7. HLO collective bytes per step vs the analytic minimum"
@@ -124,5 +124,3 @@ def _counts(c) -> dict[str, int]:
 def _ops(c) -> str:
   return ", ".join(f"{n} {op}" for op, n in _counts(c).items()) or "none"
 
-
-__all__ = ["Check", "run"]

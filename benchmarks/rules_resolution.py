@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import partition
-from benchmarks.common import STEADY_TARGET, Row, Section, auto_mesh, interleaved, log
+from benchmarks.common import STEADY_TARGET, Check, Row, Section, auto_mesh, interleaved, log
 
 NAME = "rules_resolution"
 TITLE = "4. rules resolution, 1,000-parameter tree vs flax logical_to_mesh_sharding"
@@ -71,7 +71,8 @@ def run(quick: bool) -> Section:
   with_shapes = lambda: rules.tree_shardings(axes, mesh, shapes=shapes)
   to_specs = lambda t: [s.spec for s in jax.tree.leaves(t)]
   same = to_specs(ours()) == to_specs(theirs()) == to_specs(with_shapes())
-  section.checks.append(partition_check(n, same))
+  section.checks.append(Check(NAME, f"{n} params: specs equal flax's",
+                              0.0 if same else float("inf"), 0.0, 0.0, same))
   t_ours, t_flax, t_shapes = interleaved([ours, theirs, with_shapes], 7 if quick else 31)
   workload = f"{n} params"
   section.rows.append(Row(NAME, workload, "tree_shardings vs logical_to_mesh_sharding", t_ours,
@@ -83,8 +84,3 @@ def run(quick: bool) -> Section:
                           note="informational: also checks divisibility (flax cannot)"))
   return section
 
-
-def partition_check(n: int, same: bool):
-  from benchmarks.common import Check
-  return Check(NAME, f"{n} params: specs equal flax's", 0.0 if same else float("inf"),
-               0.0, 0.0, same)
