@@ -147,3 +147,17 @@ def test_compact_table_for_the_readme(quick_run):
   assert all(line.count("|") == 8 for line in table)
   statuses = [line.split("|")[6].strip() for line in table[2:]]
   assert set(statuses) <= {"PASS", "MISS"}
+
+
+def test_async_collectives_count_once_with_their_result():
+  """GPU HLO: ``*-start`` ops (gathers return (operand, result)), ``*-done`` not counted."""
+  text = "\n".join([
+      "%ags = (f32[4,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8]",
+      "%agd = f32[32,8]{1,0} all-gather-done(%ags)",
+      "%ars = f32[16]{0} all-reduce-start(%q), replica_groups=[1,8]<=[8], to_apply=%add",
+      "%ard = f32[16]{0} all-reduce-done(%ars)",
+  ])
+  c = common.collectives(text, 8)
+  assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4,
+                             "wire_bytes": pytest.approx(32 * 8 * 4 * 7 / 8)}
+  assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["result_bytes"] == 16 * 4
