@@ -264,14 +264,52 @@ def _wire_bytes(op: str, result: int, g: int) -> float:
   return float(result)           # collective-permute: every device sends its buffer
 
 
+def loop_multipliers(hlo_text: str) -> dict[str, int]:
+  """How many times each HLO computation runs per call: while bodies run their
+  ``known_trip_count`` times (1 if unknown) the count of the computation that holds them."""
+  edges: dict[str, list[tuple[str, int]]] = {}
+  current, entry = None, None
+  for line in hlo_text.splitlines():
+    m = re.match(r"^(ENTRY )?%(\S+) \(", line)
+    if m:
+      current = m[2]
+      entry = current if m[1] else entry
+      continue
+    if current is None:
+      continue
+    body = re.search(r"\bbody=%([\w.\-]+)", line)
+    if body and " while(" in line:
+      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+      edges.setdefault(current, []).append((body[1], int(trip[1]) if trip else 1))
+    for callee in re.findall(r"\bcalls=%([\w.\-]+)", line):  # calls, async wrappers, fusions
+      edges.setdefault(current, []).append((callee, 1))
+  times: dict[str, int] = {}
+
+  def visit(name: str, mult: int) -> None:
+    times[name] = times.get(name, 0) + mult
+    for child, n in edges.get(name, ()):
+      visit(child, mult * n)
+
+  if entry is not None:
+    visit(entry, 1)
+  return times
+
+
 def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
   """Per collective kind: ``count``, ``result_bytes`` (HLO shapes, per device) and
-  ``wire_bytes`` (ring bytes sent per device), plus a ``total`` entry.
-
-  Ops inside loop bodies are counted once (as the HLO states them), not per iteration.
+  ``wire_bytes`` (ring bytes sent per device), plus a ``total`` entry; all per call of the
+  program: an op in a while body counts once per iteration (``known_trip_count``).
+  ``in_loops`` counts the ops (as written) that sit in loop bodies.
   """
-  out = {op: {"count": 0, "result_bytes": 0, "wire_bytes": 0.0} for op in COLLECTIVES}
+  times = loop_multipliers(hlo_text)
+  out = {op: {"count": 0, "result_bytes": 0, "wire_bytes": 0.0, "in_loops": 0}
+         for op in COLLECTIVES}
+  current = None
   for line in hlo_text.splitlines():
+    head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
+    if head:
+      current = head[1]
+      continue
     m = _OP.search(line)
     if not m:
       continue
@@ -282,12 +320,14 @@ def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
       type_text = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else type_text
     result = _type_bytes(type_text)
     g = group_size(line, num_devices)
+    mult = times.get(current, 1) if times else 1
     entry = out[m["op"]]
-    entry["count"] += 1
-    entry["result_bytes"] += result
-    entry["wire_bytes"] += _wire_bytes(m["op"], result, g)
+    entry["count"] += mult
+    entry["in_loops"] += int(mult > 1)
+    entry["result_bytes"] += result * mult
+    entry["wire_bytes"] += _wire_bytes(m["op"], result, g) * mult
   out["total"] = {k: sum(out[op][k] for op in COLLECTIVES)
-                  for k in ("count", "result_bytes", "wire_bytes")}
+                  for k in ("count", "result_bytes", "wire_bytes", "in_loops")}
   return out
 
 

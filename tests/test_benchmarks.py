@@ -67,7 +67,7 @@ def test_memory_and_collective_series(quick_run):
   assert mem["k"] == [1, 2, 4, 8, 16, 32]
   assert mem["serial_loop"] == sorted(mem["serial_loop"], reverse=True)  # shrinks with k
   coll = by_name["collectives"]["series"]["collective_bytes"]
-  assert set(coll) == {"DP", "FSDP", "TP"}
+  assert set(coll) == {"DP", "FSDP", "TP", "FSDP k=4"}
   assert coll["DP"]["ops_ours"] == {"all-reduce": 1}
   assert coll["TP"]["ops_ours"] == {"all-reduce": 3}
 
@@ -161,3 +161,18 @@ def test_async_collectives_count_once_with_their_result():
   assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4,
                              "wire_bytes": pytest.approx(32 * 8 * 4 * 7 / 8)}
   assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["result_bytes"] == 16 * 4
+
+
+def test_collectives_in_a_loop_count_per_iteration():
+  """A psum inside a 4-step lax.scan runs 4 times per call (known_trip_count)."""
+  mesh = common.auto_mesh((8,), ("d",))
+
+  def f(x):  # x: [8, 4] sharded on rows; each step all-reduces a [4] partial sum
+    def step(acc, i):
+      return acc + jax.lax.with_sharding_constraint((x * i).sum(0), NamedSharding(mesh, P())), None
+    return jax.lax.scan(step, jnp.zeros(4), jnp.arange(4.0))[0]
+
+  text = _compiled(f, jnp.ones((8, 4)), P("d"), P(), mesh).as_text()
+  c = common.collectives(text, 8)
+  assert c["all-reduce"]["count"] == 4 and c["all-reduce"]["in_loops"] == 1
+  assert c["all-reduce"]["result_bytes"] == 4 * 4 * 4
