@@ -158,7 +158,7 @@ def test_async_collectives_count_once_with_their_result():
       "%ard = f32[16]{0} all-reduce-done(%ars)",
   ])
   c = common.collectives(text, 8)
-  assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4,
+  assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4, "in_loops": 0,
                              "wire_bytes": pytest.approx(32 * 8 * 4 * 7 / 8)}
   assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["result_bytes"] == 16 * 4
 
