@@ -48,9 +48,11 @@ MESHES = {
 }
 BATCH_AXES = ("batch", "length")
 K1_NOTE = (
-    "compiled HLOs differ only by the size-1 micro-batch dim value_and_grad keeps at k=1 "
-    "(4 more copies, 1 pad of the embedding-gradient scatter indices); that scatter alone "
-    "times 0.93-1.03x plain; compare with the A/A ratio (baseline vs a copy of itself)")
+    "real, 4-6% on every k=1 preset: the compiled executables alone run 1.04-1.06x on a "
+    "quiet machine; value_and_grad keeps a size-1 micro-batch dim at k=1 (a vmap of size 1), "
+    "which changes the HLO's layouts (4/24/39 more copies for data_parallel/fsdp/fsdp_tp, a "
+    "pad of the embedding-gradient scatter indices); same collectives and memory. Fix "
+    "requested in partition/_grad.py: no micro-batch xmap when k=1")
 
 
 def config(quick: bool) -> layers.TransformerConfig:
