@@ -53,6 +53,25 @@ def describe_value(x: Any) -> str:
   return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
 
 
+def check_axes_table(params: Any, output: Any, what: str) -> tuple[dict[str, Any], Any]:
+  """``with_axes(params=, output=)`` validated (a str is never split into letters); ``what``
+  names the table's keys in messages ('param' for linen, 'Variable' for NNX)."""
+  from partition._logical_axes import LogicalAxesTypeError, check_names
+  if params is not None and not isinstance(params, Mapping):
+    raise LogicalAxesTypeError(
+        f"with_axes(params=...) takes a mapping {{{what} name: logical axes}}, got "
+        f"{describe_value(params)}. Write e.g. params={{'kernel': ('embed', 'mlp')}}.")
+  table = {}
+  for k, v in (params or {}).items():
+    if not isinstance(k, str):
+      raise LogicalAxesTypeError(
+          f"with_axes(params=...): keys are {what} names (str), got {k!r}. Write e.g. "
+          "params={'kernel': ('embed', 'mlp')}.")
+    table[k] = check_names(v, f"with_axes(params={{{k!r}: ...}})")
+  out = None if output is None else check_names(output, "with_axes(output=...)")
+  return table, out
+
+
 def _is_key(x: Any) -> bool:
   dtype = getattr(x, "dtype", None)
   if dtype is None:

@@ -287,18 +287,27 @@ class _BatchPlan:
     return jnp.reshape(x, (k,) + shape[:dim] + (n // k,) + shape[dim + 1:])
 
 
-def _broadcast_axes(batch_axes, batch):
-  """``batch_axes`` (a prefix of ``batch``) -> one axes tuple per batch leaf."""
+def _prefix(axes_tree, tree, what: str, fix: str):
+  """``(structure, axes leaves, subtrees of tree)`` for an axes tree that is a pytree prefix
+  of ``tree``, or a GradSpecError saying which argument does not fit."""
   try:
-    subtrees = jax.tree_util.tree_structure(batch_axes, is_leaf=is_axes_leaf).flatten_up_to(
-        batch)
+    structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes_leaf)
+    subtrees = structure.flatten_up_to(tree)
   except (ValueError, TypeError) as e:
     raise GradSpecError(format_message(
-        "value_and_grad: batch_axes is not a pytree prefix of the batch.",
-        context=[f"details: {e}"],
-        fix="Give batch_axes the batch's structure with one axes tuple per array, e.g. "
-            "{'tokens': ('batch', 'length')}, or one tuple for all arrays.")) from None
-  axes = jax.tree_util.tree_leaves(batch_axes, is_leaf=is_axes_leaf)
+        f"value_and_grad: {what} is not a pytree prefix of the "
+        f"{'batch' if what == 'batch_axes' else 'parameters'}.",
+        context=[f"details: {e}"], fix=fix)) from None
+  axes = structure.flatten_up_to(axes_tree) if structure.num_leaves else []
+  return structure, axes, subtrees
+
+
+def _broadcast_axes(batch_axes, batch):
+  """``batch_axes`` (a prefix of ``batch``) -> one axes tuple per batch leaf."""
+  _, axes, subtrees = _prefix(
+      batch_axes, batch, "batch_axes",
+      "Give batch_axes the batch's structure with one axes tuple per array, e.g. "
+      "{'tokens': ('batch', 'length')}, or one tuple for all arrays.")
   bad = [a for a in axes if isinstance(a, str) or not isinstance(a, (tuple, list))]
   if bad:
     raise GradSpecError(f"value_and_grad: batch_axes leaves must be tuples of logical names, "
@@ -330,22 +339,11 @@ def _param_specs(param_axes, params, rules, mesh):
   from its own sharding, else ``None`` (left to propagation)."""
   if rules is None or mesh is None:
     return None
-  from partition._logical_axes import logical_axes
-  from partition._path_rules import PathRules
-  if param_axes is None:
-    param_axes = logical_axes(params)
-  elif isinstance(param_axes, PathRules):
-    param_axes = param_axes.axes(params)
-  try:
-    structure = jax.tree_util.tree_structure(param_axes, is_leaf=is_axes_leaf)
-    subtrees = structure.flatten_up_to(params)
-  except (ValueError, TypeError) as e:
-    raise GradSpecError(format_message(
-        "value_and_grad: param_axes is not a pytree prefix of the parameters.",
-        context=[f"details: {e}"],
-        fix="Give one logical-axes tuple (or None) per parameter, in the params' structure; "
-            "or leave param_axes=None to read the axes the model declared.")) from None
-  axes = structure.flatten_up_to(param_axes) if structure.num_leaves else []
+  from partition._optim import resolve_param_axes
+  structure, axes, subtrees = _prefix(
+      resolve_param_axes(params, param_axes), params, "param_axes",
+      "Give one logical-axes tuple (or None) per parameter, in the params' structure; or "
+      "leave param_axes=None to read the axes the model declared.")
   specs = [_param_spec(a, sub, rules, mesh) for a, sub in zip(axes, subtrees)]
   return jax.tree_util.tree_unflatten(structure, specs)
 

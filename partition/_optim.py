@@ -52,7 +52,7 @@ def _check_tx(tx: Any, api: str) -> None:
             "or a class."))
 
 
-def _param_axes(params: Any, param_axes: Any) -> Any:
+def resolve_param_axes(params: Any, param_axes: Any) -> Any:
   """The parameters' logical-axes tree: declared, a PathRules table, or given directly."""
   if param_axes is None:
     return logical_axes(params)
@@ -90,7 +90,7 @@ def optimizer_axes(tx: Any, params: Any, *, param_axes: Any = None) -> Any:
   _check_tx(tx, "partition.optimizer_axes")
   plain = unbox(params)
   shapes = jax.eval_shape(tx.init, plain)
-  return _map_params(tx, shapes, _param_axes(params, param_axes), None)
+  return _map_params(tx, shapes, resolve_param_axes(params, param_axes), None)
 
 
 def optimizer_init(tx: Any, params: Any, *, param_axes: Any = None, rules: Any = None,
@@ -119,7 +119,7 @@ def optimizer_init(tx: Any, params: Any, *, param_axes: Any = None, rules: Any =
   _check_tx(tx, api)
   rules, mesh = _adapt.need_rules_mesh(rules, mesh, api)
   plain = unbox(params)
-  axes = _param_axes(params, param_axes)
+  axes = resolve_param_axes(params, param_axes)
   param_shardings = rules.tree_shardings(axes, mesh, shapes=plain)
   shapes = jax.eval_shape(tx.init, plain)
   replicated = NamedSharding(mesh, PartitionSpec())

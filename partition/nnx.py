@@ -34,7 +34,7 @@ from partition import _adapt
 from partition._constrain import constrain
 from partition._context import current_rules, current_rules_mesh
 from partition._explain import ExplainReport
-from partition._logical_axes import LogicalAxesError, LogicalAxesTypeError, check_names
+from partition._logical_axes import LogicalAxesError
 from partition._mesh import AnyMesh
 from partition._path_rules import PathRules
 
@@ -191,23 +191,6 @@ def _unknown_variable(cls: type, name: str, created: list[str]) -> LogicalAxesEr
       f"of {cls.__name__}; its Variables are {created}. Use those names.")
 
 
-def _check_table(params: Any, output: Any) -> tuple[dict[str, Axes], Axes | None]:
-  """``params`` / ``output`` validated (a str is never split into letters)."""
-  if params is not None and not isinstance(params, Mapping):
-    raise LogicalAxesTypeError(
-        f"with_axes(params=...) takes a mapping {{Variable name: logical axes}}, got "
-        f"{_adapt.describe_value(params)}. Write e.g. params={{'kernel': ('embed', 'mlp')}}.")
-  table = {}
-  for k, v in (params or {}).items():
-    if not isinstance(k, str):
-      raise LogicalAxesTypeError(
-          f"with_axes(params=...): keys are Variable names (str), got {k!r}. Write e.g. "
-          "params={'kernel': ('embed', 'mlp')}.")
-    table[k] = check_names(v, f"with_axes(params={{{k!r}: ...}})")
-  out = None if output is None else check_names(output, "with_axes(output=...)")
-  return table, out
-
-
 def with_axes(module_cls: type | None = None, /, *,
               params: Mapping[str, Axes] | None = None,
               output: Axes | None = None) -> Any:
@@ -232,7 +215,7 @@ def with_axes(module_cls: type | None = None, /, *,
     >>> partition.logical_axes(Linear(2, 3, rngs=nnx.Rngs(0)))['kernel']
     ('embed', 'mlp')
   """
-  table, out_axes = _check_table(params, output)
+  table, out_axes = _adapt.check_axes_table(params, output, "Variable")
 
   def wrap(cls: type) -> type:
     if not (isinstance(cls, type) and issubclass(cls, nnx.Module)):
