@@ -118,11 +118,37 @@ def optimizer_init(tx: Any, params: Any, *, param_axes: Any = None, rules: Any =
   api = "partition.optimizer_init"
   _check_tx(tx, api)
   rules, mesh = _adapt.need_rules_mesh(rules, mesh, api)
-  plain = unbox(params)
   axes = resolve_param_axes(params, param_axes)
-  param_shardings = rules.tree_shardings(axes, mesh, shapes=plain)
-  shapes = jax.eval_shape(tx.init, plain)
+  plain = unbox(params)
+  per_box = rules.tree_shardings(axes, mesh, shapes=plain)
+  if not _has_nnx_variables(params):
+    shapes = jax.eval_shape(tx.init, plain)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    shardings = _map_params(tx, shapes, per_box, replicated)
+    return jax.jit(tx.init, out_shardings=shardings)(plain)
+  # An nnx.State: the state keeps the Variable wrappers (the structure tx.init(state) has),
+  # since tx.update gets gradients of that structure; each parameter's sharding is spread
+  # over its Variable's leaves.
+  structure = jax.tree_util.tree_structure(per_box, is_leaf=_is_sharding)
+  param_shardings = jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(params),
+      [sharding for sharding, box in zip(structure.flatten_up_to(per_box),
+                                         structure.flatten_up_to(params))
+       for _ in jax.tree_util.tree_leaves(box)])
+  shapes = jax.eval_shape(tx.init, params)
   replicated = NamedSharding(mesh, PartitionSpec())
   shardings = _map_params(tx, shapes, param_shardings, replicated)
-  return jax.jit(tx.init, out_shardings=shardings)(plain)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
+
+
+def _has_nnx_variables(tree: Any) -> bool:
+  nnx = sys.modules.get("flax.nnx")
+  if nnx is None:
+    return False
+  return any(isinstance(x, nnx.Variable) for x in jax.tree_util.tree_leaves(
+      tree, is_leaf=lambda x: isinstance(x, nnx.Variable)))
+
+
+def _is_sharding(x: Any) -> bool:
+  return x is None or isinstance(x, NamedSharding)
 

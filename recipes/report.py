@@ -22,11 +22,13 @@ def write_json(path: pathlib.Path, obj: Any) -> None:
 
 class MetricsLog:
   """``metrics.jsonl``: one JSON object per step (``step``, ``loss``, ... and, on eval steps,
-  ``eval_loss``, ``accuracy``). Kept in memory and rewritten atomically every ``every``
-  records and at the end; on resume, records after the checkpoint are dropped."""
+  ``eval_loss``, ``accuracy``, ``exact_match``; the training batch's own are
+  ``train_accuracy``, ``train_exact_match``). Kept in memory and rewritten atomically every
+  ``every`` records and at the end; on resume, records after the checkpoint are dropped."""
 
-  def __init__(self, path: pathlib.Path, every: int = 10):
+  def __init__(self, path: pathlib.Path, every: int = 10, write: bool = True):
     self.path = pathlib.Path(path)
+    self.write = write  # False on every process but the first of a multi-process run
     self.every = every
     self.records: list[dict[str, Any]] = []
     self._pending = 0
@@ -48,6 +50,8 @@ class MetricsLog:
       self.flush()
 
   def flush(self) -> None:
+    if not self.write:
+      return
     atomic_write(self.path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))
     self._pending = 0
 
@@ -105,11 +109,10 @@ def plot_losses(records: list[dict[str, Any]], path: pathlib.Path) -> None:
   """``loss.png``: training loss per step, eval loss and accuracy at eval steps."""
   import io
 
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  from matplotlib.figure import Figure  # no pyplot: leaves a notebook's backend alone
 
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig = Figure(figsize=(7, 4))
+  ax = fig.add_subplot()
   steps = [r["step"] for r in records]
   ax.plot(steps, [r["loss"] for r in records], label="train loss", lw=1)
   evals = [r for r in records if "eval_loss" in r]
@@ -130,7 +133,6 @@ def plot_losses(records: list[dict[str, Any]], path: pathlib.Path) -> None:
   fig.tight_layout()
   buffer = io.BytesIO()
   fig.savefig(buffer, format="png", dpi=100)
-  plt.close(fig)
   atomic_write(path, buffer.getvalue())
 
 

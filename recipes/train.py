@@ -174,7 +174,8 @@ def build_run(config: TrainConfig) -> Run:
     (loss, aux), grads = grad_fn(state["params"], batch)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, **aux, "grad_norm": optax.tree.norm(grads),
+    metrics = {"loss": loss, **{f"train_{k}": v for k, v in aux.items()},
+               "grad_norm": optax.tree.norm(grads),
                "learning_rate": schedule(state["step"])}
     return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
 
@@ -192,7 +193,7 @@ def build_run(config: TrainConfig) -> Run:
 def device_bytes(tree) -> int:
   """Bytes of ``tree`` held by the first device (its shards)."""
   import jax
-  first = jax.devices()[0]
+  first = jax.local_devices()[0]
   total = 0
   for x in jax.tree.leaves(tree):
     for shard in x.addressable_shards:
@@ -230,7 +231,9 @@ def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
   out_dir.mkdir(parents=True, exist_ok=True)
   run = build_run(config)
   ckpt = ckpt_lib.Checkpointer(out_dir / "checkpoints")
-  metrics_log = report.MetricsLog(out_dir / "metrics.jsonl")
+  # In a multi-process run every process trains; process 0 alone writes and prints.
+  primary = jax.process_index() == 0
+  metrics_log = report.MetricsLog(out_dir / "metrics.jsonl", write=primary)
   start = 0
   if config.resume and ckpt.latest_step() is not None:
     start = ckpt.latest_step()
@@ -242,7 +245,7 @@ def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
   tokens_per_step = config.batch_size * config.seq_len
   timer = report.Throughput(tokens_per_step)
   last_eval: dict[str, float] = {}
-  with report.progress_bar(config.steps, start, enabled=progress) as bar:
+  with report.progress_bar(config.steps, start, enabled=progress and primary) as bar:
     for step in range(start, config.steps):
       batch = _host_batch(run, step)
       run.state, metrics = run.train_step(run.state, batch)
@@ -276,10 +279,11 @@ def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
       "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(run.state["params"])),
       "out_dir": str(out_dir),
   }
-  report.write_json(out_dir / "summary.json", summary)
-  if config.plot and jax.process_index() == 0:
-    report.plot_losses(metrics_log.records, out_dir / "loss.png")
-  report.print_summary(summary, out)
+  if primary:
+    report.write_json(out_dir / "summary.json", summary)
+    if config.plot:
+      report.plot_losses(metrics_log.records, out_dir / "loss.png")
+    report.print_summary(summary, out)
   return summary
 
 

@@ -143,3 +143,33 @@ def test_state_axes_give_the_state_shardings_through_tree_shardings(mesh):
   plain_axes = partition.logical_axes(state)
   assert isinstance(plain_axes[0], optax.EmptyState)
   assert all(a is None for a in jax.tree.leaves(plain_axes, is_leaf=lambda x: x is None))
+
+
+def test_nnx_state_update_with_value_and_grad_gradients(mesh):
+  """On an nnx.State the optimizer state keeps the Param wrappers (the structure
+  tx.init(state) has), so tx.update accepts the gradients value_and_grad returns for it."""
+  from flax import nnx
+
+  import partition.nnx
+
+  model = partition.nnx.init_sharded(lambda: nnx.Linear(
+      8, 4, kernel_metadata={"out_sharding": ("embed", "mlp")},
+      bias_metadata={"out_sharding": ("mlp",)}, rngs=nnx.Rngs(0)), rules=RULES, mesh=mesh)
+  graphdef, state = nnx.split(model, nnx.Param)
+  axes = partition.logical_axes(state)
+  tx = optax.adamw(1e-2)
+  opt_state = partition.optimizer_init(tx, state, rules=RULES, mesh=mesh)
+  assert jax.tree.structure(opt_state) == jax.tree.structure(tx.init(state))
+  assert jax.tree.leaves(opt_state[0].mu["kernel"])[0].sharding.spec == P("fsdp", "tensor")
+  x = np.ones((4, 8), np.float32)
+  loss = lambda s, b: (nnx.merge(graphdef, s)(b["x"]) ** 2).mean()
+  step = partition.value_and_grad(loss, batch_axes={"x": ("batch", "embed")}, param_axes=axes,
+                                  rules=RULES, mesh=mesh)
+  _, grads = step(state, {"x": x})
+  updates, _ = tx.update(grads, opt_state, state)
+  host = jax.tree.map(np.asarray, state)  # the unsharded reference, on one device
+  _, ref_grads = jax.value_and_grad(loss)(host, {"x": x})
+  ref_updates, _ = tx.update(ref_grads, tx.init(host), host)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                      rtol=1e-5, atol=1e-7), updates,
+               ref_updates)
