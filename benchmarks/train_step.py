@@ -48,8 +48,8 @@ MESHES = {
 }
 BATCH_AXES = ("batch", "length")
 K1_NOTE = (
-    "real, 4-6% on every k=1 preset: the compiled executables alone run 1.04-1.06x on a "
-    "quiet machine; value_and_grad keeps a size-1 micro-batch dim at k=1 (a vmap of size 1), "
+    "real, 4-6% on every k=1 preset: the compiled executables alone run 1.02-1.06x on a "
+    "quieter machine; value_and_grad keeps a size-1 micro-batch dim at k=1 (a vmap of size 1), "
     "which changes the HLO's layouts (4/24/39 more copies for data_parallel/fsdp/fsdp_tp, a "
     "pad of the embedding-gradient scatter indices); same collectives and memory. Fix "
     "requested in partition/_grad.py: no micro-batch xmap when k=1")
