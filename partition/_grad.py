@@ -84,9 +84,9 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
       rules give the batch axis, else 1).
     batch_axis: the logical name of the batch dim; default: the first name of the first
       leaf of ``batch_axes``. Every batch leaf must have it.
-    rng_argnums: positions (in ``(params, batch, *rest)``) of PRNG keys; each micro-batch
-      gets ``jax.random.fold_in(key, j)``, so dropout masks differ between micro-batches as
-      they differ between the rows of one batch.
+    rng_argnums: positions (in ``(params, batch, *rest)``) of PRNG keys; with ``k > 1``
+      micro-batch ``j`` gets ``jax.random.fold_in(key, j)``, so dropout masks differ between
+      micro-batches as they differ between the rows of one batch (``k = 1``: the key as is).
 
   Returns:
     ``step(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -161,11 +161,15 @@ class _Config:
     batch_plan = _BatchPlan.build(self, batch, rules, mesh)
     k = batch_plan.k
     param_specs = _param_specs(self.param_axes, params, rules, mesh)
-    micro = jax.tree.map(batch_plan.to_micro, batch, batch_plan.dims)
+    # k micro-batches are a named loop axis; with k = 1 there is no axis at all (a size-1
+    # vmap would only add copies), and xmap just places the step.
+    looped = k > 1
+    micro = jax.tree.map(batch_plan.to_micro, batch, batch_plan.dims) if looped else batch
     rest = list(rest)
     rng_positions = [i - 2 for i in self.rng_argnums]
-    for i in rng_positions:
-      rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
+    if looped:
+      for i in rng_positions:
+        rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
 
     def per_micro(params, micro_batch, *rest):
       # The model's constraints use the mesh in context at this point: on Explicit meshes
@@ -177,15 +181,17 @@ class _Config:
                                                                       *rest)
 
     sharded = mesh is not None and rules is not None
+    named = [_MICRO, ...] if looped else None
+    reduced = (lambda axes: Mean(_MICRO, axes=axes)) if looped else (lambda axes: axes)
     param_in = param_specs if sharded else [...]
-    grad_out = (jax.tree.map(lambda s: Mean(_MICRO, axes=s), param_specs, is_leaf=_is_spec)
-                if sharded else Mean(_MICRO))
+    grad_out = (jax.tree.map(reduced, param_specs, is_leaf=_is_spec) if sharded
+                else reduced([...]))
     batch_in = jax.tree.map(
-        lambda axes: Logical(*axes, named=[_MICRO, ...]) if sharded else [_MICRO, ...],
+        lambda axes: Logical(*axes, named=named) if sharded else (named or [...]),
         batch_plan.axes, is_leaf=is_axes_leaf)
-    rest_in = tuple([_MICRO, ...] if i in rng_positions else [...] for i in range(len(rest)))
-    value_out = (Mean(_MICRO), Mean(_MICRO)) if self.has_aux else Mean(_MICRO)
-    resources = {_MICRO: ((SerialLoop(k),) if k > 1 else ())}
+    rest_in = tuple(named if i in rng_positions and looped else [...] for i in range(len(rest)))
+    value_out = (reduced([...]), reduced([...])) if self.has_aux else reduced([...])
+    resources = {_MICRO: (SerialLoop(k),)} if looped else {}
     mapped = xmap(per_micro, in_axes=(param_in, batch_in, *rest_in),
                   out_axes=(value_out, grad_out),
                   axis_resources=_RulesWith(rules, resources) if sharded else resources,

@@ -28,6 +28,7 @@ shape and a mesh the resolver also skips candidates that do not divide the dim; 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -264,8 +265,11 @@ class AxisRules:
     _check_mesh(mesh, api)
     _check_flag(strict, "strict", api)
     names, dims = _check_axes(logical_axes, shape, api)
-    mesh_sizes = None if mesh is None else dict(axis_sizes(mesh))
-    return resolve(self.pairs, names, dims, mesh_sizes, strict=strict)
+    mesh_sizes = None if mesh is None else tuple(axis_sizes(mesh).items())
+    try:
+      return _resolve_cached(self.pairs, names, dims, mesh_sizes, strict)
+    except TypeError:  # an unhashable name slipped through: resolve without the cache
+      return _resolve_cached.__wrapped__(self.pairs, names, dims, mesh_sizes, strict)
 
   def spec(self, logical_axes: LogicalAxes, shape: Sequence[int] | None = None,
            mesh: AnyMesh | None = None, strict: bool = False) -> PartitionSpec:
@@ -420,6 +424,14 @@ def _shape_problems(shape: Any) -> tuple[tuple[int, ...] | None, list[str]]:
                       ">= 0")
     dims.append(n)
   return (None if problems else tuple(dims)), problems
+
+
+@functools.lru_cache(maxsize=8192)
+def _resolve_cached(pairs, names, dims, mesh_sizes, strict) -> Resolution:
+  """Resolutions are immutable and a model repeats a few axes tuples over many parameters
+  (every layer's kernels): resolve each (rules, axes, shape, mesh) once."""
+  return resolve(pairs, names, dims, None if mesh_sizes is None else dict(mesh_sizes),
+                 strict=strict)
 
 
 def _check_axes(logical_axes: LogicalAxes, shape: Any, api: str = "AxisRules.resolve"
