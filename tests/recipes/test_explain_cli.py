@@ -150,14 +150,17 @@ def test_devices_mesh_must_use_all_devices():
   explain.check_mesh_size(_config("mesh={data: -1, tensor: 2}"), 16)  # fine
 
 
-# Runs the CLI as __main__ and, on exit, reports that process's own peak RSS on stderr.
+# Runs the CLI as __main__ and, on exit, reports that process's own peak RSS on stderr:
+# VmHWM of its address space (ru_maxrss would include the forked pytest worker's peak, which
+# Linux carries across exec).
 _MAIN_WITH_PEAK = """
-import resource, runpy, sys
+import re, runpy, sys
 sys.argv = ['recipes.explain', *sys.argv[1:]]
 try:
   runpy.run_module('recipes.explain', run_name='__main__', alter_sys=True)
 finally:
-  print('PEAK_RSS_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)
+  status = open('/proc/self/status').read()
+  print('PEAK_RSS_KIB', re.search(r'VmHWM:\\s+(\\d+) kB', status).group(1), file=sys.stderr)
 """
 
 
