@@ -37,6 +37,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable, Sequence
@@ -176,7 +177,7 @@ class _Config:
       # that is xmap's Auto region, whose axis types are the ones that apply.
       traced_mesh = jax.sharding.get_abstract_mesh()
       with axis_rules(rules, mesh if traced_mesh.empty else traced_mesh) \
-          if rules is not None else _nullcontext():
+          if rules is not None else contextlib.nullcontext():
         return jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, micro_batch,
                                                                       *rest)
 
@@ -200,19 +201,11 @@ class _Config:
       return mapped(params, micro, *rest)
 
 
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
-
-
 def _abstract_mesh_context(mesh):
   """Makes ``mesh`` the context mesh while tracing (if none is), so bare-spec constraints in
   the model (flax's ``nn.with_logical_constraint``) see it."""
   if mesh is None or not jax.sharding.get_abstract_mesh().empty:
-    return _nullcontext()
+    return contextlib.nullcontext()
   abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
   return jax.sharding.use_abstract_mesh(abstract)
 

@@ -182,10 +182,16 @@ def test_restore_on_other_meshes_is_bit_identical(tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), state, reference)
     leaves = jax.tree.leaves(state["params"])
     assert all(x.sharding.mesh.size == mesh.size for x in leaves)
-  # the 4-device copy shards a kernel by the recorded logical axes (not replicated)
+  # the 4-device copy shards each kernel by its recorded logical axes, not replicated
   meta = checkpoint.Checkpointer(out / "checkpoints").meta(2)
-  sharded = [p for p, a in meta["logical_axes"].items() if a and "embed" in a]
-  assert sharded
+  rules = partition.AxisRules.from_dict(meta["rules"])
+  flat = {checkpoint.path_of(p): x
+          for p, x in jax.tree_util.tree_flatten_with_path(restored[1])[0]}
+  kernels = [p for p in flat if p.startswith("params/") and p.endswith("kernel")]
+  assert kernels
+  for path in kernels:
+    want = rules.spec(tuple(meta["logical_axes"][path]), flat[path].shape, meshes[1])
+    assert flat[path].sharding.spec == want and any(want), (path, flat[path].sharding.spec)
   # and 8 -> 4 -> 1 through a save on 4 devices
   relay = checkpoint.Checkpointer(tmp_path / "relay")
   relay.save(2, restored[1], None, {"rules": partition.AxisRules.from_dict(
