@@ -430,6 +430,11 @@ def _in_sharding(plan: Plan, x, spec: AxisSpec, stated) -> NamedSharding | None:
       return None
     typed = jax.typeof(x).sharding
     return NamedSharding(plan.mesh, typed.spec if not typed.mesh.empty else PartitionSpec())
+  if isinstance(plan.mesh, jax.sharding.AbstractMesh):
+    # Under an eager transformation (grad, vmap) of a jax.set_mesh block only the abstract
+    # mesh is visible; a concrete argument then goes in as it is, and the constraints in
+    # the program place it (as for a traced one).
+    return None
   if stated is None and getattr(x, "committed", True):
     stated = _placement.inherited_entries(plan, spec, x)
   spec = _placement.full_spec(plan, spec, np.ndim(x), stated, default=None)
