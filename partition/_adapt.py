@@ -11,22 +11,16 @@ Between 2 and 3 :func:`place` runs ``partition._audit.audit_placement``: ``stric
 turns every unplaced name / path / dim into one error, otherwise one warning lists large
 parameters left fully replicated.
 
-Importing this module registers :func:`flax_rules` with ``partition._context`` (a hook), so
-``partition.axis_rules`` also sets flax's ``nn.logical_axis_rules`` without the core
-importing any adapter.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from partition import _context
 from partition._audit import audit_placement
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
@@ -35,7 +29,6 @@ from partition._explain import explain as _explain
 from partition._logical_axes import abstract, logical_axes, unbox
 from partition._mesh import AnyMesh
 from partition._path_rules import PathMatch, as_path_rules
-from partition._resources import SerialLoop
 from partition._rules import AxisRules
 
 
@@ -116,44 +109,6 @@ def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,
   return found_rules, found_mesh
 
 
-def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
-  """``rules`` as flax's ``LogicalRules`` (for ``nn.logical_axis_rules``).
-
-  Loops are dropped; with a mesh, axes it lacks are dropped (size-1 axes are kept: flax's
-  "already used" check must see them, as ``AxisRules`` does). A rule left without axes maps
-  its name to ``None`` (replicated), never disappears: flax NNX resolves a name without a
-  rule to *itself* (``rules.get(name, name)``), which would pass a logical name to
-  ``NamedSharding`` as a mesh axis.
-
-  Example:
-    >>> import jax, partition
-    >>> from partition._adapt import flax_rules
-    >>> mesh = jax.make_mesh((4, 2), ('data', 'fsdp'))
-    >>> flax_rules(partition.AxisRules([('embed', 'fsdp'), ('mlp', 'tensor')]), mesh)
-    (('embed', 'fsdp'), ('mlp', None))
-  """
-  sizes = None if mesh is None else dict(mesh.shape)
-  out = []
-  for name, value in rules.pairs:
-    axes = [a for a in value or () if not isinstance(a, SerialLoop)]
-    if sizes is not None:
-      axes = [a for a in axes if a in sizes]
-    out.append((name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes)))
-  return tuple(out)
-
-
-def _set_flax_rules(rules: AxisRules, mesh: AnyMesh | None):
-  """The ``partition._context`` hook: flax's rules context, if flax is in use."""
-  if "flax.core.spmd" not in sys.modules:
-    return contextlib.nullcontext()
-  from flax.core import spmd
-
-  return spmd.logical_axis_rules(flax_rules(rules, mesh))
-
-
-_context.register_rules_hook(_set_flax_rules)
-
-
 def passthrough_rules(rules: AxisRules, mesh: AnyMesh) -> AxisRules:
   """``rules`` plus ``(axis, axis)`` for each mesh axis that is not a logical name.
 
@@ -163,16 +118,6 @@ def passthrough_rules(rules: AxisRules, mesh: AnyMesh) -> AxisRules:
   """
   extra = [(a, a) for a in mesh.axis_names if a not in rules.names]
   return rules + extra if extra else rules
-
-
-def rules_context(rules: AxisRules, mesh: AnyMesh | None):
-  """``partition.axis_rules(rules, mesh)`` (which also sets flax's rules when flax is used)."""
-  return axis_rules(rules, mesh)
-
-
-def apply_path_rules(tree: Any, param_axes: Any) -> Any:
-  """Logical axes of ``tree``: declared ones, filled in by the path table if given."""
-  return match_axes(tree, param_axes)[0]
 
 
 def match_axes(tree: Any, param_axes: Any) -> tuple[Any, PathMatch | None]:
@@ -212,6 +157,6 @@ def explain_tree(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh):
 
 def jit_init(init, shardings: Any, rules: AxisRules, mesh: AnyMesh, *args: Any) -> Any:
   """Runs ``init(*args)`` under ``jax.jit(out_shardings=shardings)`` in the rules context."""
-  with rules_context(rules, mesh):
+  with axis_rules(rules, mesh):
     return jax.jit(init, out_shardings=shardings)(*args)
 

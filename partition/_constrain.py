@@ -18,6 +18,7 @@ from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
 from partition._mesh import AnyMesh, describe, explicit_axes
+from partition._scope import mapped_mesh_axes
 from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
@@ -151,8 +152,11 @@ def _check_context_mesh(mesh: AnyMesh) -> None:
 
 
 def _apply(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
-  explicit = explicit_axes(mesh)
-  auto = frozenset(mesh.axis_names) - explicit
+  # Inside an xmap body the mesh axes it maps are not ours to constrain: xmap places that
+  # dim (and JAX rejects them in a constraint under vmap(spmd_axis_name=)).
+  mapped = mapped_mesh_axes()
+  explicit = explicit_axes(mesh) - mapped
+  auto = frozenset(mesh.axis_names) - explicit_axes(mesh) - mapped
   try:
     if explicit:
       x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))

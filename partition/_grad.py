@@ -49,6 +49,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition import _mesh
+from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import AxisSizeError, PartitionError, SpecError, format_message
 from partition._resources import SerialLoop
 from partition._rules import AxisRules, is_axes_leaf
@@ -136,7 +137,6 @@ class _Config:
   rng_argnums: tuple[int, ...]
 
   def context(self):
-    from partition._context import current_rules, current_rules_mesh
     rules = current_rules(self.rules)
     mesh = current_rules_mesh(self.mesh) if rules is not None else _mesh.current_mesh(self.mesh)
     return rules, mesh
@@ -157,7 +157,6 @@ class _Config:
     return params, batch
 
   def step(self, params, batch, *rest):
-    from partition._context import axis_rules
     rules, mesh = self.context()
     batch_plan = _BatchPlan.build(self, batch, rules, mesh)
     k = batch_plan.k

@@ -44,6 +44,7 @@ from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
 from partition._resources import SerialLoop, named_loops
+from partition._scope import current_rules_mesh
 
 LogicalAxes = Sequence[str | None] | None
 
@@ -535,8 +536,6 @@ def _size(v: Any) -> int | None:
 
 
 def _need_mesh(mesh: AnyMesh | None, api: str) -> AnyMesh:
-  from partition._context import current_rules_mesh  # the context module imports this one
-
   _check_mesh(mesh, api)
   found = current_rules_mesh(mesh)
   if found is None:

@@ -39,7 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition import _mesh, _placement
+from partition import _mesh, _placement, _scope
+from partition._context import current_rules
 from partition._errors import (
   AxisNameError,
   AxisSizeError,
@@ -188,7 +189,6 @@ class XMapped:
       return self._axis_resources
     if not self._uses_logical:
       return None
-    from partition._context import current_rules
     return current_rules()
   def _plan(self, leaves, specs, paths, mesh) -> Plan:
     names = self._in_names
@@ -248,6 +248,10 @@ class XMapped:
           outs = tracer.run(0, split, labels)
       except NameError as e:
         raise _unbound_name_error(e, plan, name, self._in_names) from None
+      except ValueError as e:
+        if "cannot appear in with_sharding_constraint" not in str(e):
+          raise
+        raise _mapped_axis_constraint_error(e, plan, name) from e
       except AssertionError as e:
         error = _collective_assertion(e, name)
         if error is e:
@@ -459,6 +463,26 @@ def _constrain_input(plan: Plan, x, spec: AxisSpec, stated, typed, constrain):
   return x if _placement.is_trivial(full) else constrain(x, full)
 
 
+def _mapped_axis_constraint_error(e: ValueError, plan: Plan, name: str) -> ResourceError:
+  """A constraint in the body names a mesh axis this xmap maps (a hard-coded
+  ``PartitionSpec``; logical constraints drop such axes by themselves)."""
+  text = str(e).splitlines()[0]
+  spec = re.search(r"got spec (P\(.*\))", text)
+  axes = re.search(r"spmd_axis_name (\(.*?\))", text)
+  mapped = ", ".join(f"{m!r} (axis {n!r})" for n, ax in plan.axes.items() for m in ax.mesh_axes)
+  return ResourceError(format_message(
+      f"xmap({name}): a sharding constraint in the function names mesh axes "
+      f"{axes.group(1) if axes else ''} that this xmap maps its named axes to.",
+      context=[f"constraint: with_sharding_constraint(x, {spec.group(1) if spec else '?'})",
+               f"mapped mesh axes: {mapped}",
+               "Inside the body each call sees one slice of those axes; the constraint cannot "
+               "place a dim on them."],
+      fix="Constrain by logical name (partition.constrain or nn.with_logical_constraint: "
+          "mapped mesh axes are dropped there), drop those axes from the PartitionSpec, or "
+          "train with partition.value_and_grad, which splits the batch by rules instead of "
+          "a named xmap axis."))
+
+
 def _explicit_closure_error(name: str, mesh) -> MeshError:
   return MeshError(format_message(
       f"xmap({name}): the function uses a value with Explicit sharding on "
@@ -545,8 +569,13 @@ class _tracing:
     _enclosing.axes = self.saved[0] + self.axes
     _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
     _enclosing.mesh = self.mesh or self.saved[2]
+    # Constraints in the body (partition.constrain, flax's nn.with_logical_constraint)
+    # drop the mesh axes this body maps: JAX rejects them there, and xmap places that dim.
+    self.mapping = _scope.mapping(frozenset(self.mesh_axes))
+    self.mapping.__enter__()
 
   def __exit__(self, *exc):
+    self.mapping.__exit__(*exc)
     _enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh = self.saved
 
 

@@ -70,7 +70,7 @@ def _abstract(api: str, module: nn.Module, rngs: Any, args: tuple, init_kwargs: 
   _check_module(module, api)
   _adapt.check_rngs(rngs, api)
   init = functools.partial(module.init, **init_kwargs)
-  with _adapt.rules_context(rules, mesh):
+  with _adapt.axis_rules(rules, mesh):
     shapes = jax.eval_shape(init, rngs, *args)
   axes, path_match = _adapt.match_axes(shapes, param_axes)
   return shapes, axes, path_match
@@ -152,7 +152,7 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
   Explicit mesh axes: for flax's own calls use an Auto mesh. ``partition.constrain`` works
   with both.
   """
-  with _adapt.rules_context(_adapt.current_rules(rules), mesh) as found:
+  with _adapt.axis_rules(_adapt.current_rules(rules), mesh) as found:
     yield found
 
 

@@ -599,7 +599,7 @@ def _trace(api: str, init: Callable, rng: Any, inputs: _Inputs, rules: Any, mesh
            ) -> tuple[Any, dict]:
   """``eval_shape`` of the init through a fresh function (JAX caches traces by function, and a
   cached trace would not run the creators that record axes)."""
-  context = (_adapt.rules_context(rules, mesh) if rules is not None
+  context = (_adapt.axis_rules(rules, mesh) if rules is not None
              else contextlib.nullcontext())
   try:
     with _recording() as created, context, _placing():

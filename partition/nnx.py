@@ -69,7 +69,7 @@ def _check_init_fn(init_fn: Any, api: str) -> None:
 def _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes):
   """``(graphdef, state, axes, PathMatch, rules)``; rules gain NNX's mesh-axis pass-through."""
   _check_init_fn(init_fn, api)
-  with _adapt.rules_context(rules, mesh):
+  with _adapt.axis_rules(rules, mesh):
     model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
   graphdef, state = nnx.split(model)
   axes, path_match = _adapt.match_axes(state, param_axes)
