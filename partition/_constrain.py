@@ -18,7 +18,7 @@ from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
 from partition._mesh import AnyMesh, describe, explicit_axes
-from partition._scope import mapped_mesh_axes
+from partition._scope import inside_xmap, mapped_mesh_axes
 from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
@@ -72,7 +72,7 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
   found_mesh = current_rules_mesh(mesh)
   if found_mesh is None:
     return x
-  _check_context_mesh(found_mesh)
+  _check_context_mesh(found_mesh, x)
   found_rules = current_rules(rules)
   if found_rules is None:
     raise NoRulesError(format_message(
@@ -126,10 +126,12 @@ def _device_ids(mesh: AnyMesh) -> frozenset[int] | None:
   return frozenset(d.id for d in mesh.devices.flat)
 
 
-def _check_context_mesh(mesh: AnyMesh) -> None:
-  """The mesh we constrain on must use the devices of the ``jax.set_mesh`` mesh, if any.
+def _check_context_mesh(mesh: AnyMesh, x: Any) -> None:
+  """The mesh we constrain on must agree with the ``jax.set_mesh`` mesh, if any.
 
-  Otherwise JAX fails deep inside ``reshard``/``jit`` with "incompatible devices".
+  Otherwise JAX fails deep inside ``reshard``/``jit``: "incompatible devices" for other
+  devices, a bare ``AssertionError`` for other axis types, and "Length of device assignment
+  1" for Explicit axes traced without any ``jax.set_mesh``.
   """
   try:
     context = jax.sharding.get_mesh()
@@ -137,7 +139,18 @@ def _check_context_mesh(mesh: AnyMesh) -> None:
     context = None
   if context is None or context.empty:
     context = jax.sharding.get_abstract_mesh()
-  if context is None or context.empty or context is mesh:
+  if context is None or context.empty:
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+    if explicit_axes(mesh) and traced:
+      raise MeshError(format_message(
+          "partition.constrain: the rules mesh has Explicit axes "
+          f"{sorted(explicit_axes(mesh))}, but the function is traced outside jax.set_mesh.",
+          context=[f"rules mesh (axis_rules or mesh=): {describe(mesh)}",
+                   "JAX places Explicit-sharded values only under a mesh context."],
+          fix="Call the jitted function inside `with jax.set_mesh(mesh):` (with the same mesh "
+              "as axis_rules), or use a mesh with AxisType.Auto axes."))
+    return
+  if context is mesh:
     return
   ours, theirs = _device_ids(mesh), _device_ids(context)
   differ = (ours != theirs) if ours is not None and theirs is not None else (
@@ -149,6 +162,20 @@ def _check_context_mesh(mesh: AnyMesh) -> None:
                  f"jax.set_mesh mesh: {describe(context)}, {context.size} devices"],
         fix="Use one mesh: `with jax.set_mesh(mesh), partition.axis_rules(rules, mesh):`, or "
             "leave the mesh out of axis_rules so the jax.set_mesh mesh is used."))
+  types = _axis_types(mesh), _axis_types(context)
+  # xmap bodies run Explicit axes as Auto: there the types differ on purpose.
+  if types[0] != types[1] and not inside_xmap():
+    raise MeshError(format_message(
+        "partition.constrain: the rules mesh and the jax.set_mesh mesh differ in axes or "
+        "axis types.",
+        context=[f"rules mesh (axis_rules or mesh=): {describe(mesh)}",
+                 f"jax.set_mesh mesh: {describe(context)}"],
+        fix="Use one mesh for both: `with jax.set_mesh(mesh), partition.axis_rules(rules, "
+            "mesh):`, or leave the mesh out of axis_rules so the jax.set_mesh mesh is used."))
+
+
+def _axis_types(mesh: AnyMesh) -> dict[str, Any]:
+  return {n: (s, t) for (n, s), t in zip(mesh.shape.items(), mesh.axis_types)}
 
 
 def _apply(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:

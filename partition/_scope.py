@@ -27,8 +27,9 @@ from partition._mesh import AnyMesh, current_mesh
 RULES: contextvars.ContextVar[tuple[Any, AnyMesh | None]] = contextvars.ContextVar(
     "partition_axis_rules", default=(None, None))
 
-MAPPED_MESH_AXES: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "partition_mapped_mesh_axes", default=frozenset())
+# None outside xmap bodies; inside, the mesh axes they map (possibly none).
+MAPPED_MESH_AXES: contextvars.ContextVar[frozenset[str] | None] = contextvars.ContextVar(
+    "partition_mapped_mesh_axes", default=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,21 +70,24 @@ def current_rules_mesh(mesh: AnyMesh | None = None) -> AnyMesh | None:
 
 def mapped_mesh_axes() -> frozenset[str]:
   """Mesh axes mapped by the xmap bodies being traced (empty outside them)."""
-  return MAPPED_MESH_AXES.get()
+  return MAPPED_MESH_AXES.get() or frozenset()
+
+
+def inside_xmap() -> bool:
+  """True while an xmap body is traced (on Explicit meshes it runs with Auto axes)."""
+  return MAPPED_MESH_AXES.get() is not None
 
 
 @contextlib.contextmanager
 def mapping(mesh_axes: frozenset[str]) -> Iterator[None]:
   """Marks ``mesh_axes`` as mapped while an xmap body is traced (nested bodies add up)."""
-  new = MAPPED_MESH_AXES.get() | frozenset(mesh_axes)
-  if not mesh_axes:
-    yield
-    return
+  new = mapped_mesh_axes() | frozenset(mesh_axes)
   token = MAPPED_MESH_AXES.set(new)
   try:
     with contextlib.ExitStack() as stack:
-      for hook in _HOOKS:
-        stack.enter_context(hook.on_mapped(new))
+      if mesh_axes:
+        for hook in _HOOKS:
+          stack.enter_context(hook.on_mapped(new))
       yield
   finally:
     MAPPED_MESH_AXES.reset(token)

@@ -171,6 +171,13 @@ class XMapped:
           f"xmap({self._name}): the arguments are not a valid pytree: {e}",
           fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
     mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
+    if isinstance(self._mesh, jax.sharding.AbstractMesh) and (
+        jax.sharding.get_abstract_mesh().empty):
+      raise MeshError(format_message(
+          f"xmap({self._name}): mesh= is an AbstractMesh, which has no devices to run on.",
+          context=[f"mesh=: {_mesh.describe(self._mesh)}"],
+          fix="Pass a concrete mesh (jax.make_mesh(shape, names)), or call the xmap under "
+              "`with jax.set_mesh(mesh):` with a concrete mesh of the same shape."))
     rules = self._rules()
     key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
     hit = self._cache.get(key)

@@ -66,11 +66,22 @@ def _check_init_fn(init_fn: Any, api: str) -> None:
         "rngs=nnx.Rngs(0)).")
 
 
+def _returned(value: Any) -> str:
+  if hasattr(value, "shape") and hasattr(value, "dtype"):  # eval_shape's view of an array
+    return f"an array (dtype {value.dtype}, shape {tuple(value.shape)})"
+  return _adapt.describe_value(value)
+
+
 def _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes):
   """``(graphdef, state, axes, PathMatch, rules)``; rules gain NNX's mesh-axis pass-through."""
   _check_init_fn(init_fn, api)
   with _adapt.axis_rules(rules, mesh):
     model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
+  if not isinstance(model, nnx.Module):
+    raise _adapt.AdapterTypeError(
+        f"{api}: init_fn must return an NNX Module, but {_adapt.describe_value(init_fn)} "
+        f"returned {_returned(model)}. Return the module it builds, e.g. "
+        "lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)).")
   graphdef, state = nnx.split(model)
   axes, path_match = _adapt.match_axes(state, param_axes)
   return graphdef, state, axes, path_match, _adapt.passthrough_rules(rules, mesh)

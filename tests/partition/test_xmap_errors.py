@@ -651,3 +651,19 @@ def test_error_names_the_user_function():
   f = xmap(my_model, (["i", ...],), ["i", ...], axis_resources={"i": SerialLoop(4)})
   with pytest.raises(ValueError, match=re.escape("xmap(") + r".*my_model"):
     f(jnp.ones(6))
+
+
+def test_abstract_mesh_without_a_context_mesh_is_a_mesh_error():
+  """JAX would raise a RuntimeError ("requires a non-empty mesh in context")."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  f = xmap(jnp.sin, ["b", ...], ["b", ...], axis_resources={"b": "data"},
+           mesh=mesh.abstract_mesh)
+  with pytest.raises(partition.MeshError) as info:
+    f(jnp.ones((8, 4)))
+  message = str(info.value)
+  assert "xmap(sin): mesh= is an AbstractMesh, which has no devices to run on." in message
+  assert "mesh=: mesh(data=4 Explicit, model=2 Explicit)" in message
+  assert "Pass a concrete mesh" in message
+  with jax.set_mesh(mesh):  # a concrete mesh of the same shape in context: runs there
+    out = f(jnp.ones((8, 4)))
+  assert out.shape == (8, 4)
