@@ -72,7 +72,8 @@ class PathMatch:
     matched: ``{path: index of the pattern that matched}``.
     declared: paths whose axes were already declared by the model (and kept).
     unmatched: paths with no declared axes that no pattern matched.
-    unused: patterns that matched no path.
+    unused: patterns that matched no path (a pattern matching a parameter with declared
+      axes has matched it, even when the declared axes win).
     overridden: paths whose declared axes a pattern replaced (``override=True``).
   """
 
@@ -190,6 +191,7 @@ class PathRules:
     tree = _graph_state(tree)
     tables = _t5x_tables(tree)
     matched: dict[str, int] = {}
+    used: set[int] = set()  # a pattern that matches a path has matched, whichever axes win
     declared, unmatched, overridden, problems = [], [], [], []
 
     def one(path, leaf):
@@ -198,6 +200,8 @@ class PathRules:
       if own is None:
         own = _t5x_lookup(tables, path)
       hit = self.lookup(name)
+      if hit is not None:
+        used.add(hit[0])
       if own is not None and (hit is None or not self.override):
         declared.append(name)
         return fit_rank(own, leaf)[0]
@@ -222,7 +226,6 @@ class PathRules:
           fix="Give those patterns at most one name (or None) per dim, or make them more "
               "specific (anchor with '$', e.g. r'/kernel$') so they skip parameters of other "
               "ranks."))
-    used = set(matched.values())
     unused = tuple(p for i, (p, _) in enumerate(self.pairs) if i not in used)
     return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused,
                      tuple(overridden))

@@ -626,14 +626,16 @@ class _Matching:
   stack_axis: str | None
   leads: Mapping[str, int]
   matched: dict[str, int] = dataclasses.field(default_factory=dict)
+  used: set[int] = dataclasses.field(default_factory=set)  # patterns that matched a path
   declared: list[str] = dataclasses.field(default_factory=list)
   unmatched: list[str] = dataclasses.field(default_factory=list)
-  problems: list[str] = dataclasses.field(default_factory=list)
+  problems: list[str] = dataclasses.field(default_factory=list)  # declared axes misfit
+  table_problems: list[str] = dataclasses.field(default_factory=list)  # table axes misfit
 
   def path_match(self, axes: Any) -> PathMatch | None:
     if self.table is None:
       return None
-    used = set(self.matched.values())
+    used = self.used
     unused = tuple(p for i, (p, _) in enumerate(self.table.pairs) if i not in used)
     return PathMatch(axes, dict(self.matched), tuple(self.declared), tuple(self.unmatched),
                      unused)
@@ -652,6 +654,8 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
   lead = (_stacked_dims(shape, entry.shape) if entry is not None
           else _lifted_lead(m.leads, name, len(shape)))
   hit = None if m.table is None else m.table.lookup(name)
+  if hit is not None:
+    m.used.add(hit[0])
   if entry is not None and entry.axes is not None and (hit is None or not m.table.override):
     axes, source = entry.axes, "the model declares"
     m.declared.append(shown)
@@ -677,8 +681,9 @@ def _leaf_axes(m: _Matching, kind: str, shown: str, name: str, leaf: Any,
     detail = (f"; it is stacked by hk.layer_stack (or a lifted scan): {lead} leading dim(s) "
               f"over per-layer shape {shape[lead:]}, so give at most {per_layer} per-layer "
               f"names (the stacked dim gets {m.stack_axis!r}) or all {len(shape)}")
-  m.problems.append(f"{shown}: {source} {tuple(axes)} ({len(axes)} names) but it has shape "
-                    f"{shape}{detail}")
+  problems = m.problems if source == "the model declares" else m.table_problems
+  problems.append(f"{shown}: {source} {tuple(axes)} ({len(axes)} names) but it has shape "
+                  f"{shape}{detail}")
   return None
 
 
@@ -749,12 +754,17 @@ def _prepare(api: str, transformed: Any, rng: Any, args: tuple, kwargs: dict, *,
             _axes_tree(m, _STATE, out[1], created, "state/"))
   else:
     axes = _axes_tree(m, _PARAMS, out, created, "")
-  if m.problems:
+  if m.problems:  # the model's own declarations, as partition.flax reports them
     raise LogicalAxesError(format_message(
-        f"{api}: {len(m.problems)} parameter(s) got logical axes of the wrong rank:",
-        bullets=m.problems,
-        fix="Give one logical name (or None) per dim, or make the pattern more specific "
-            "(anchor with '$', e.g. r'/w$')."))
+        f"{api}: {len(m.problems)} parameter(s) declare logical axes of the wrong rank:",
+        bullets=m.problems, fix="Give one logical name (or None) per dim."))
+  if m.table_problems:  # the path table's: a PathRulesError, as in partition.flax / .nnx
+    raise PathRulesError(format_message(
+        f"{api}: {len(m.table_problems)} parameter(s) got logical axes of the wrong rank "
+        "from param_axes:",
+        bullets=m.table_problems,
+        fix="Give those patterns at most one name (or None) per dim, or make them more "
+            "specific (anchor with '$', e.g. r'/w$') so they skip parameters of other ranks."))
   return _Traced(out, axes, m, with_state, init, (rng, *inputs.traced))
 
 
