@@ -25,14 +25,13 @@ import json.decoder
 import json.scanner
 import os
 import re
-import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from partition import _io
-from partition._errors import PartitionError, format_message
+from partition._errors import PartitionError, format_message, short
 from partition._resources import MAX_LOOP_LENGTH, SerialLoop, loop_length_problem
 
 try:  # Python >= 3.11
@@ -51,11 +50,6 @@ MAX_FILE_BYTES = _io.MAX_READ_BYTES
 MAX_DEPTH = 64  # rules need 4 levels; peers' configs (MaxText, T5X) fewer than 10
 MAX_NODES = 200_000  # counts aliased YAML nodes once per use: stops "billion laughs"
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
 class RulesError(PartitionError, ValueError):
   """A rule table (built in Python or read from a file) is malformed."""
 
@@ -70,11 +64,6 @@ class ConfigError(RulesError):
 
 class ConfigTypeError(ConfigError, RulesTypeError):
   """A rules-file argument has the wrong type (a path that is not a path, a bad key)."""
-
-
-def short(x: Any) -> str:
-  """A bounded ``repr`` for messages (junk can be huge, deep or self-referential)."""
-  return _REPR.repr(x)
 
 
 def did_you_mean(word: str, options: Sequence[str]) -> str:

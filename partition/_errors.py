@@ -7,7 +7,14 @@ context, one bullet per failing leaf with its keypath, then a fix.
 
 from __future__ import annotations
 
+import difflib
+import reprlib
 from collections.abc import Iterable
+from typing import Any
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
 class PartitionError(Exception):
@@ -48,9 +55,17 @@ class MeshError(PartitionError, ValueError):
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
   """`` Did you mean 'x'?`` for the closest option, or ``''``."""
-  import difflib
   close = difflib.get_close_matches(word, [o for o in options if isinstance(o, str)], n=1)
   return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def short(x: Any) -> str:
+  """A bounded ``repr`` for messages (junk can be huge, deep or self-referential).
+
+  >>> short(list(range(100)))
+  '[0, 1, 2, 3, 4, 5, ...]'
+  """
+  return _REPR.repr(x)
 
 
 def fun_name(fun) -> str:

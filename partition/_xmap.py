@@ -51,6 +51,7 @@ from partition._errors import (
   did_you_mean,
   format_message,
   fun_name,
+  short,
 )
 from partition._plan import (
   Plan,
@@ -182,7 +183,7 @@ class XMapped:
     key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
     hit = self._cache.get(key)
     if hit is None:
-      _check_call(leaves, len(args), self._donate, self._name)
+      _check_call(args, len(args), self._donate, self._name)
       _check_context_mesh(self._mesh, self._name)
       leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
       plan = self._plan(leaves, specs, paths, mesh)
@@ -384,20 +385,22 @@ def _check_context_mesh(mesh, name: str) -> None:
             "use the context mesh."))
 
 
-def _check_call(leaves, n_args: int, donate, name) -> None:
+def _check_call(args, n_args: int, donate, name) -> None:
   """Checks what jax.jit would reject with less context: donated positions must exist and
-  leaves must be arrays."""
+  leaves must be arrays (each bad leaf named by its keypath, e.g. ``argument[1]['k']``)."""
   out_of_range = [d for d in donate if d >= n_args]
   if out_of_range:
     raise SpecError(f"xmap({name}): donate_argnums {out_of_range} is out of range for a call "
                     f"with {n_args} positional arguments; count arguments from 0.")
-  bad = [type(x).__name__ for x in leaves
+  bad = [f"argument{jax.tree_util.keystr(path)} is {type(x).__name__} {short(x)}"
+         for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
          if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
              x, (int, float, complex, bool, np.number, np.bool_))]
   if bad:
     raise SpecError(format_message(
-        f"xmap({name}): arguments must be arrays (or pytrees of arrays), got leaves of "
-        f"type {sorted(set(bad))}.",
+        f"xmap({name}): arguments must be arrays (or pytrees of arrays); "
+        f"{len(bad)} leaf(s) are not:",
+        bullets=bad,
         fix="Convert them with jnp.asarray, or close over non-array values in the function."))
 
 

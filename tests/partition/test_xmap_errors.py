@@ -101,9 +101,13 @@ def test_duplicate_name_in_one_out_spec():
 
 
 def test_duplicate_name_in_reduction():
-  with _raises(ValueError, r"Sum\('i', 'i'\) names an axis twice") as e:
+  with _raises(ValueError, r"Sum\('i', 'i'\) names axis 'i' twice\. Name each axis to "
+                           r"reduce once: Sum\('i'\)") as e:
     Sum("i", "i")
   _check_type(e, ValueError)
+  with _raises(ValueError, r"Mean\('i', 'j', 'i'\) names axis 'i' twice\. Name each axis "
+                           r"to reduce once: Mean\('i', 'j'\)"):
+    partition.Mean("i", "j", "i")
 
 
 def test_reduction_both_reduces_and_keeps():
@@ -556,7 +560,7 @@ def test_axis_sizes_types(sizes, match):
 
 @pytest.mark.parametrize("call, match", [
     (lambda f: f(a=jnp.ones(4)), r"positional arguments only(?s:.*)\['a'\]"),
-    (lambda f: f("abc"), r"arguments must be arrays(?s:.*)\['str'\]"),
+    (lambda f: f("abc"), r"arguments must be arrays(?s:.*)argument\[0\] is str 'abc'"),
 ])
 def test_bad_call_arguments(call, match):
   f = xmap(ident, ["i", ...], ["i", ...])
@@ -667,3 +671,13 @@ def test_abstract_mesh_without_a_context_mesh_is_a_mesh_error():
   with jax.set_mesh(mesh):  # a concrete mesh of the same shape in context: runs there
     out = f(jnp.ones((8, 4)))
   assert out.shape == (8, 4)
+
+
+def test_wrong_typed_argument_names_the_argument_and_leaf():
+  f = xmap(lambda a, b: a * b["k"], (["i", ...], {"k": ["i", ...]}), ["i", ...])
+  with _raises(TypeError, r"(?s)arguments must be arrays.*1 leaf\(s\) are not:\n"
+                          r"  \* argument\[0\] is str 'abc'\nConvert them") as e:
+    f("abc", {"k": jnp.ones(4)})
+  _check_type(e, TypeError)
+  with _raises(TypeError, r"  \* argument\[1\]\['k'\] is str 'abc'"):
+    f(jnp.ones(4), {"k": "abc"})
