@@ -22,10 +22,10 @@ from partition._grad import GradSpecError as GradSpecError
 from partition._grad import value_and_grad as value_and_grad
 
 # --- logical axis rules ---
-from partition._config import ConfigError as ConfigError
+from partition._config import RulesConfigError as RulesConfigError
 from partition._config import RulesError as RulesError
 from partition._config import RulesTypeError as RulesTypeError
-from partition._config import ConfigTypeError as ConfigTypeError
+from partition._config import RulesConfigTypeError as RulesConfigTypeError
 from partition._io import FileError as FileError
 from partition._constrain import NoRulesError as NoRulesError
 from partition._constrain import constrain as constrain
@@ -51,6 +51,14 @@ from partition._audit import ReplicatedWarning as ReplicatedWarning
 from partition._optim import OptimizerStateError as OptimizerStateError
 from partition._optim import optimizer_axes as optimizer_axes
 from partition._optim import optimizer_init as optimizer_init
+from partition._warnings import PartitionWarning as PartitionWarning
+
+# --- helpers for packages built on partition (layers/, recipes/): one message layout ---
+from partition._errors import did_you_mean as did_you_mean
+from partition._errors import format_message as format_message
+from partition._explain import human_bytes as human_bytes
+from partition._io import atomic_write as atomic_write
+from partition._logical_axes import path_str as path_str
 
 # --- wiring: partition.axis_rules also sets flax's nn.logical_axis_rules (when flax is used) ---
 from partition._flax_hook import FLAX_RULES_HOOK as _FLAX_RULES_HOOK

@@ -55,8 +55,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._config import did_you_mean
-from partition._errors import PartitionError, format_message
+from partition._errors import PartitionError, did_you_mean, format_message
 from partition._mesh import AnyMesh, axis_sizes, describe
 from partition._path_rules import PathMatch, path_str
 from partition._resolve import INDIVISIBLE, Resolution

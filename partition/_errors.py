@@ -54,9 +54,15 @@ class MeshError(PartitionError, ValueError):
 
 
 def did_you_mean(word: str, options: Iterable[str]) -> str:
-  """`` Did you mean 'x'?`` for the closest option, or ``''``."""
-  close = difflib.get_close_matches(word, [o for o in options if isinstance(o, str)], n=1)
-  return f" Did you mean {close[0]!r}?" if close else ""
+  """`` (did you mean 'x'?)`` for the option closest to ``word``, or ``''``.
+
+  The one format of the library's hints; it reads well mid-sentence and at the end.
+
+  >>> 'no rule for ' + repr('mpl') + did_you_mean('mpl', ['mlp', 'embed'])
+  "no rule for 'mpl' (did you mean 'mlp'?)"
+  """
+  close = difflib.get_close_matches(str(word), [o for o in options if isinstance(o, str)], n=1)
+  return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def short(x: Any) -> str:

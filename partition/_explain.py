@@ -22,10 +22,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from partition._config import did_you_mean
 from partition._constrain import NoRulesError
 from partition._context import current_rules, current_rules_mesh
-from partition._errors import format_message
+from partition._errors import did_you_mean, format_message
 from partition._logical_axes import LogicalAxesError, path_str
 from partition._mesh import AnyMesh, axis_sizes, describe
 from partition._resolve import FIRED, Resolution
@@ -104,6 +103,11 @@ class ExplainReport:
 
 
 def human_bytes(n: int) -> str:
+  """A byte count in binary units, as reports print it.
+
+  >>> human_bytes(512), human_bytes(131072), human_bytes(3 * 2**30)
+  ('512 B', '128.00 KiB', '3.00 GiB')
+  """
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
       return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"

@@ -214,7 +214,12 @@ def leaf_axes(x: Any) -> tuple | None:
 
 
 def path_str(path: tuple) -> str:
-  """A key path as ``a/b/0/c``: the one path format of patterns, reports and errors."""
+  """A key path as ``a/b/0/c``: the one path format of patterns, reports and errors.
+
+  >>> import jax
+  >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [{'b': 1}]})[0]]
+  ['a/0/b']
+  """
   parts = []
   for k in path:
     for attr in ("key", "name", "idx"):

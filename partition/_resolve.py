@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from partition._config import Resource, RulesError, Value, did_you_mean
-from partition._errors import format_message
+from partition._config import Resource, RulesError, Value
+from partition._errors import did_you_mean, format_message
 from partition._resources import SerialLoop
 
 FIRED = "fired"

@@ -39,7 +39,7 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from partition import _config
 from partition._config import Resource, RulesError, RulesTypeError, Value, short
-from partition._errors import MeshError, format_message
+from partition._errors import MeshError, did_you_mean, format_message
 from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
@@ -180,7 +180,7 @@ class AxisRules:
         ``[]`` meaning replicated). Other keys of the file are then ignored.
 
     Raises:
-      ConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
+      RulesConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
         twice, nesting deeper than 64 levels, unknown keys, malformed entries.
     """
     return cls(_config.load(path, format=format, key=key)["rules"])
@@ -477,7 +477,7 @@ def check_partition_spec(spec: PartitionSpec, shape: Any, mesh: AnyMesh | None,
       seen.setdefault(a, i)
       if sizes is not None and a not in sizes:
         problems.append(f"entry {i}: {a!r} is not a mesh axis"
-                        f"{_config.did_you_mean(a, list(sizes))}; the mesh has "
+                        f"{did_you_mean(a, list(sizes))}; the mesh has "
                         f"{tuple(sizes)}")
   dims, shape_problems = _shape_problems(shape)
   problems += shape_problems

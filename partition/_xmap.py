@@ -61,7 +61,7 @@ from partition._plan import (
   infer_sizes,
   normalize_resources,
 )
-from partition._program import Tracer, merge_outputs, split_inputs
+from partition._program import BodyTracer, merge_outputs, split_inputs
 from partition._resources import named_loops
 from partition._specs import (
   AxisSpec,
@@ -244,7 +244,7 @@ class XMapped:
     def traced(leaves, in_region, typed=None):
       _check_not_shadowing(plan, name)
       constrain = _constrainer(mesh)
-      tracer = Tracer(plan, self._fun, name, in_treedef, self._out_axes, state_outputs,
+      tracer = BodyTracer(plan, self._fun, name, in_treedef, self._out_axes, state_outputs,
                       constrain if has_mesh else None)
       if has_mesh:
         typed = typed or [None] * len(leaves)
@@ -631,7 +631,7 @@ def _unbound_name_error(e: NameError, plan: Plan, name: str, defined: Sequence[s
   hint = did_you_mean(axis, list(defined) + list(_enclosing.axes))
   return AxisNameError(format_message(
       f"xmap({name}): a collective (psum, pmean, all_gather, axis_index, ...) refers to axis "
-      f"{axis!r}, which no enclosing xmap or vmap binds.{hint}",
+      f"{axis!r}, which no enclosing xmap or vmap binds{hint}.",
       context=[f"axes of this xmap: {list(defined)}"]
               + ([f"axes of enclosing xmaps: {list(_enclosing.axes)}"] if _enclosing.axes
                  else []),

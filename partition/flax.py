@@ -22,7 +22,6 @@ Stock modules you cannot edit get axes from :func:`with_axes` or a path table
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import sys
 from collections.abc import Iterator, Mapping
@@ -34,7 +33,7 @@ from flax.core import meta
 
 from partition import _adapt
 from partition._constrain import constrain
-from partition._errors import format_message
+from partition._errors import did_you_mean, format_message
 from partition._explain import ExplainReport
 from partition._logical_axes import LogicalAxesError
 from partition._mesh import AnyMesh
@@ -191,9 +190,7 @@ def _check_names(cls: type, table: Mapping[str, Axes], params: Mapping[str, Any]
           f"sub-module's class with with_axes, or give its params axes by path, e.g. "
           f"param_axes=partition.PathRules([(r'{n}/kernel$', (...))])")
     elif n not in created:
-      close = difflib.get_close_matches(n, created, n=1)
-      problems.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                      + f" is not a param of {cls.__name__}")
+      problems.append(f"{n!r}{did_you_mean(n, created)} is not a param of {cls.__name__}")
   if problems:
     raise LogicalAxesError(format_message(
         f"with_axes({cls.__name__}): params= names {len(problems)} entry(ies) that "

@@ -22,7 +22,6 @@ P('data', 'tensor')
 
 from __future__ import annotations
 
-import difflib
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from flax import nnx
 from partition import _adapt
 from partition._constrain import constrain
 from partition._context import current_rules, current_rules_mesh
+from partition._errors import did_you_mean
 from partition._explain import ExplainReport
 from partition._logical_axes import LogicalAxesError
 from partition._mesh import AnyMesh
@@ -195,8 +195,7 @@ def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
 
 
 def _unknown_variable(cls: type, name: str, created: list[str]) -> LogicalAxesError:
-  close = difflib.get_close_matches(name, created, n=1)
-  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  hint = did_you_mean(name, created)
   return LogicalAxesError(
       f"with_axes({cls.__name__}): params= names {name!r}{hint}, which is not a Variable "
       f"of {cls.__name__}; its Variables are {created}. Use those names.")

@@ -203,7 +203,7 @@ def test_auto_rules_mesh_under_explicit_set_mesh_is_a_mesh_error():
       with pytest.raises(partition.MeshError) as info:
         call(jnp.ones((8, 4)))
     message = str(info.value)
-    assert "the rules mesh and the jax.set_mesh mesh differ in axes or axis types" in message
+    assert "the rules mesh and the jax.set_mesh mesh differ in which axes are Explicit" in message
     assert "rules mesh (axis_rules or mesh=): mesh(a=4 Auto, b=2 Auto)" in message
     assert "jax.set_mesh mesh: mesh(a=4 Explicit, b=2 Explicit)" in message
     assert "Use one mesh for both" in message
