@@ -9,6 +9,7 @@ axes, ``jax.sharding.reshard`` on ``Explicit`` ones (JAX rejects the former ther
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -17,8 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
+from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, describe, explicit_axes
 from partition._scope import inside_xmap, mapped_mesh_axes
+from partition._warnings import PartitionWarning, warn_fallbacks
 from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
@@ -71,6 +74,14 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
   _check_mesh(mesh, "partition.constrain")
   found_mesh = current_rules_mesh(mesh)
   if found_mesh is None:
+    if current_rules(rules) is not None and jax.device_count() > 1:
+      warnings.warn(format_message(
+          f"partition.constrain(x, {short(logical_axes)}) has axis rules but no mesh, so it "
+          f"does nothing on these {jax.device_count()} devices (a legacy `with mesh:` block "
+          "sets no mesh that JAX's public API can read).",
+          fix="Run under `with jax.set_mesh(mesh):`, or pass the mesh: "
+              "`with partition.axis_rules(rules, mesh):` / mesh=."),
+          PartitionWarning, stacklevel=2)
     return x
   _check_context_mesh(found_mesh, x)
   found_rules = current_rules(rules)
@@ -81,14 +92,31 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
         context=[describe(found_mesh)],
         fix="Wrap the code in `with partition.axis_rules(rules):`, or pass "
             "rules=partition.AxisRules([...]) (or a rules file path)."))
+  fallbacks: list = []  # (where, Resolution) of every array, for the fallback warnings
   if is_axes_leaf(logical_axes) or _flat_sequence(logical_axes) or (
       jax.tree_util.all_leaves([logical_axes])):  # one array's axes, even malformed ones
-    return _apply(x, _one_spec(found_rules, logical_axes, x, found_mesh, strict), found_mesh)
-  specs = map_axes_tree(
-      lambda _, axes, leaf: found_rules.spec(axes, leaf.shape, found_mesh, strict),
-      logical_axes, x, "partition.constrain")
-  return jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
-                      is_leaf=lambda s: isinstance(s, PartitionSpec))
+    spec = _one_spec(found_rules, logical_axes, x, found_mesh, strict)
+    _note(fallbacks, "x", found_rules, logical_axes, x.shape, found_mesh, strict)
+    out = _apply(x, spec, found_mesh)
+  else:
+    def one(path, axes, leaf):
+      spec = found_rules.spec(axes, leaf.shape, found_mesh, strict)
+      _note(fallbacks, f"x/{path_str(path)}" if path else "x", found_rules, axes, leaf.shape,
+            found_mesh, strict)
+      return spec
+
+    specs = map_axes_tree(one, logical_axes, x, "partition.constrain")
+    out = jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
+                       is_leaf=lambda s: isinstance(s, PartitionSpec))
+  warn_fallbacks("partition.constrain", fallbacks, found_rules, stacklevel=2)
+  return out
+
+
+def _note(fallbacks: list, where: str, rules: Any, axes: Any, shape: Any, mesh: AnyMesh,
+          strict: bool) -> None:
+  """Records the resolution of named axes (not specs, not strict: those raise instead)."""
+  if not strict and isinstance(axes, (tuple, list)) and not isinstance(axes, PartitionSpec):
+    fallbacks.append((where, rules.resolve(tuple(axes), tuple(shape), mesh)))
 
 
 def _one_spec(rules: Any, logical_axes: Any, x: Any, mesh: AnyMesh, strict: bool

@@ -153,9 +153,11 @@ def resolve(
       outcome, detail, kept, missing, claimed = _try(value, dim, used, mesh_sizes, loops,
                                                      named_loops or {})
       dim.attempts.append(Attempt(r, value, outcome, detail))
-      if missing and strict:
-        problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
-                     f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in missing]
+      # A missing axis that is a near-miss of one the mesh has ('tensr', 'dta') cannot be
+      # intended: an error even without strict. Others act as size-1 axes (as in flax).
+      reported = missing if strict else [a for a in missing if did_you_mean(a, mesh_sizes or ())]
+      problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
+                   f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in reported]
       if outcome == FIRED:
         dim.resources, dim.done = kept, True
         # Every axis the rule names counts as used (size 1 and absent ones too), as in flax.
@@ -163,6 +165,12 @@ def resolve(
   if strict:
     problems += _strict_problems(pairs, dims, mesh_sizes)
   if problems:
+    if not strict:
+      raise ResolutionError(format_message(
+          f"Resolution of logical axes {tuple(names)} failed: a rule names a mesh axis the "
+          "mesh does not have:",
+          context=[f"mesh axes: {dict(mesh_sizes)}"], bullets=problems,
+          fix="Fix the mesh axis name in the rule table (or add that axis to the mesh)."))
     raise ResolutionError(format_message(
         f"Strict resolution of logical axes {tuple(names)} failed:",
         context=[f"mesh axes: {dict(mesh_sizes)}" if mesh_sizes is not None else "no mesh"],

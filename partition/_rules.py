@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import operator
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
 from partition._resources import SerialLoop, named_loops
 from partition._scope import current_rules_mesh
+from partition._warnings import PartitionWarning
 
 LogicalAxes = Sequence[str | None] | None
 
@@ -346,9 +348,29 @@ class AxisRules:
     _check_mesh(mesh, api)
     _check_flag(strict, "strict", api)
     names, size_list = _check_xmap_names(names, sizes, api)
+    loops = named_loops()
     res = resolve(self.pairs, names, size_list, None if mesh is None else dict(
-        axis_sizes(mesh)), strict=strict, loops=True, named_loops=named_loops())
+        axis_sizes(mesh)), strict=strict, loops=True, named_loops=loops)
+    if mesh is not None:
+      _warn_absent_axes(res, mesh, loops)
     return {d.logical: tuple(d.resources or ()) for d in res.dims}
+
+
+def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) -> None:
+  """An xmap axis whose rule names mesh axes the mesh lacks runs on fewer devices than the
+  rule asks for: say so (a typo of a mesh axis is an error in ``resolve`` already)."""
+  sizes = axis_sizes(mesh)
+  for d in res.dims:
+    for a in d.attempts:
+      absent = [r for r in a.value or () if isinstance(r, str) and r not in sizes
+                and r not in loops]
+      if a.outcome == "fired" and absent:
+        warnings.warn(format_message(
+            f"xmap axis {d.logical!r}: rule #{a.rule} places it on mesh axes "
+            f"{tuple(absent)} that the mesh lacks, so it is not split over them.",
+            context=[f"mesh axes: {dict(sizes)}"],
+            fix="Add those axes to the mesh (size 1 says they are unused on purpose), or "
+                "drop them from the rule."), PartitionWarning, stacklevel=7)
 
 
 # -- argument checks ----------------------------------------------------------------------------
