@@ -156,3 +156,14 @@ def test_data_parallel_preset_warns_about_nothing():
       _Mlp(), jax.random.key(0), jnp.ones((8, 4)), rules=rules, mesh=mesh))
   assert found == []
   assert variables["params"]["Dense_0"]["kernel"].value.sharding.spec == P(None, None)
+
+
+def test_errors_md_shows_the_partition_warning_as_emitted():
+  text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
+  section = text.split("### Warning: `partition.PartitionWarning`")[1]
+  shown = section.split("```text\n")[1].split("```")[0].strip()
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  rules = partition.AxisRules([("batch", "data"), ("embed", "model"), ("mlp", "model")])
+  with partition.axis_rules(rules, mesh):
+    _, found = caught(lambda: partition.constrain(jnp.ones((8, 3)), ("batch", "mpl")))
+  assert [str(w.message) for w in found] == [shown]
