@@ -24,9 +24,15 @@ from jax.sharding import Mesh
 from partition._audit import audit_placement
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
-from partition._errors import MeshError, PartitionError, format_message
+from partition._errors import MeshError, PartitionError, format_message, short
 from partition._explain import explain as _explain
-from partition._logical_axes import abstract, logical_axes, unbox
+from partition._logical_axes import (
+  LogicalAxesTypeError,
+  abstract,
+  check_names,
+  logical_axes,
+  unbox,
+)
 from partition._mesh import AnyMesh
 from partition._path_rules import PathMatch, as_path_rules
 from partition._rules import AxisRules
@@ -42,14 +48,12 @@ def describe_value(x: Any) -> str:
     return f"the class {x.__module__}.{x.__qualname__}"
   if callable(x) and hasattr(x, "__qualname__"):
     return f"the function {x.__qualname__}"
-  text = repr(x)
-  return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+  return f"{type(x).__name__} {short(x)}"
 
 
 def check_axes_table(params: Any, output: Any, what: str) -> tuple[dict[str, Any], Any]:
   """``with_axes(params=, output=)`` validated (a str is never split into letters); ``what``
   names the table's keys in messages ('param' for linen, 'Variable' for NNX)."""
-  from partition._logical_axes import LogicalAxesTypeError, check_names
   if params is not None and not isinstance(params, Mapping):
     raise LogicalAxesTypeError(
         f"with_axes(params=...) takes a mapping {{{what} name: logical axes}}, got "
@@ -65,24 +69,32 @@ def check_axes_table(params: Any, output: Any, what: str) -> tuple[dict[str, Any
   return table, out
 
 
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
+def is_prng_key(x: Any) -> bool:
+  """One PRNG key: a typed key of shape ``()`` or a raw ``uint32[2]`` key.
+
+  >>> import jax, jax.numpy as jnp
+  >>> is_prng_key(jax.random.key(0)), is_prng_key(jax.random.PRNGKey(0)), is_prng_key(3)
+  (True, True, False)
+  >>> is_prng_key(jnp.zeros(2, jnp.uint32)), is_prng_key(jax.random.split(jax.random.key(0)))
+  (True, False)
+  """
+  dtype, shape = getattr(x, "dtype", None), tuple(getattr(x, "shape", (None,)))
   if dtype is None:
     return False
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return True
-  return dtype == "uint32" and getattr(x, "shape", ())[-1:] == (2,)
+    return shape == ()
+  return dtype == "uint32" and shape == (2,)
 
 
 def check_rngs(rngs: Any, api: str) -> None:
   """A PRNG key or a ``{name: key}`` dict, as ``module.init`` takes; else a clear error."""
   if isinstance(rngs, Mapping):
     bad = [f"{k!r}: {describe_value(v)}" for k, v in rngs.items()
-           if not isinstance(k, str) or not _is_key(v)]
+           if not isinstance(k, str) or not is_prng_key(v)]
     if not bad:
       return
     what = "a dict with entries that are not 'name': key pairs (" + "; ".join(bad) + ")"
-  elif _is_key(rngs):
+  elif is_prng_key(rngs):
     return
   else:
     what = describe_value(rngs)
@@ -135,13 +147,18 @@ def shardings_for(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
 
 
 def place(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh, *, strict: bool, api: str,
-          path_match: PathMatch | None = None) -> Any:
-  """:func:`shardings_for`, audited (one strict error, or one replicated warning)."""
+          path_match: PathMatch | None = None, named: Any = None) -> Any:
+  """:func:`shardings_for`, audited (one strict error, or the fallback warnings).
+
+  ``named`` (optional) maps a tree of ``tree``'s structure to the one the audit reports on
+  (Haiku's ``(params, state)`` become ``params/...`` and ``state/...``).
+  """
   if not isinstance(strict, bool):
-    raise TypeError(f"{api}(strict=...) takes True or False, got {strict!r}.")
+    raise AdapterTypeError(f"{api}(strict=...) takes True or False, got {short(strict)}.")
   shardings = shardings_for(tree, axes, rules, mesh)
-  audit_placement(unbox(tree), axes, shardings, rules, mesh, strict=strict, api=api,
-                  path_match=path_match)
+  rename = named or (lambda t: t)
+  audit_placement(unbox(rename(tree)), rename(axes), rename(shardings), rules, mesh,
+                  strict=strict, api=api, path_match=path_match)
   return shardings
 
 

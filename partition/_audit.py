@@ -64,7 +64,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._errors import PartitionError, did_you_mean, format_message
-from partition._mesh import AnyMesh, axis_sizes, describe
+from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
+from partition._explain import human_bytes
+from partition._logical_axes import dtype_shape
 from partition._path_rules import PathMatch, path_str
 from partition._resolve import INDIVISIBLE, Resolution
 from partition._rules import AxisRules, is_axes_leaf
@@ -203,9 +205,9 @@ def _spec_problems(path: str, leaf: Any, axes: Any, sizes: Mapping[str, int]) ->
     return []
   out = []
   for i, entry in enumerate(tuple(axes)):
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    names = entry_axes(entry)
+    if not names:
       continue
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
     missing = [a for a in names if a not in sizes]
     out += [f"{path} dim {i}: {axes} names mesh axis {a!r}, which the mesh lacks"
             f"{did_you_mean(a, list(sizes))}" for a in missing]
@@ -250,9 +252,7 @@ def _is_replicated(leaf: Any, spec: Any, sizes: Mapping[str, int]) -> bool:
   if not leaf.shape or math.prod(sizes.values()) <= 1:
     return False
   for entry in tuple(spec) if isinstance(spec, PartitionSpec) else ():
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-      continue
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    names = entry_axes(entry)
     if math.prod(sizes.get(a, 1) for a in names) > 1:
       return False
   return True
@@ -282,12 +282,6 @@ def _reason(axes: Any, res: Resolution | None, rules: AxisRules) -> str:
   return ", ".join(parts)
 
 
-def _short(leaf: Any) -> str:
-  from partition._logical_axes import _dtype_shape
-
-  return _dtype_shape(leaf.dtype, leaf.shape)
-
-
 def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int],
           warn_bytes: int) -> None:
   if not any(_nbytes(leaf) >= warn_bytes for _, leaf, _, _ in replicated):
@@ -298,12 +292,10 @@ def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int]
   for path, leaf, axes, res in replicated[:_SHOWN]:
     label = "" if axes is None else f" {tuple(axes)}"
     reason = _reason(axes, res, rules)
-    bullets.append(f"{path} {_short(leaf)}{label}: {reason}" if label
-                   else f"{path} {_short(leaf)}: {reason}")
+    bullets.append(f"{path} {dtype_shape(leaf.dtype, leaf.shape)}{label}: {reason}" if label
+                   else f"{path} {dtype_shape(leaf.dtype, leaf.shape)}: {reason}")
   if len(replicated) > _SHOWN:
     bullets.append(f"... and {len(replicated) - _SHOWN} more")
-  from partition._explain import human_bytes
-
   warnings.warn(format_message(
       f"{api}: {len(replicated)} parameter(s) are fully replicated on "
       f"{math.prod(sizes.values())} devices, {human_bytes(total)} per device:",

@@ -19,7 +19,7 @@ from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
 from partition._logical_axes import path_str
-from partition._mesh import AnyMesh, describe, explicit_axes
+from partition._mesh import AnyMesh, axes_entry, describe, entry_axes, explicit_axes
 from partition._scope import inside_xmap, mapped_mesh_axes
 from partition._warnings import PartitionWarning, warn_fallbacks
 from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
@@ -143,8 +143,7 @@ def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
   def keep(entry):
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       return entry
-    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in axes)
-    return None if not names else names[0] if len(names) == 1 else names
+    return axes_entry(a for a in entry_axes(entry) if a in axes)
   return PartitionSpec(*(keep(e) for e in spec))
 
 

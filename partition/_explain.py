@@ -26,7 +26,7 @@ from partition._constrain import NoRulesError
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import did_you_mean, format_message
 from partition._logical_axes import LogicalAxesError, path_str
-from partition._mesh import AnyMesh, axis_sizes, describe
+from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
 from partition._resolve import FIRED, Resolution
 from partition._rules import AxisRules, map_axes_tree
 
@@ -118,9 +118,7 @@ def human_bytes(n: int) -> str:
 def _shard_bytes(shape, spec: PartitionSpec, mesh_sizes, itemsize: int) -> int:
   shard = list(shape)
   for i, entry in enumerate(tuple(spec)[:len(shape)]):
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-      continue
-    names = (entry,) if isinstance(entry, str) else entry
+    names = entry_axes(entry)
     shard[i] = -(-shard[i] // math.prod(mesh_sizes.get(a, 1) for a in names))
   return math.prod(shard) * itemsize
 

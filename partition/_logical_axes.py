@@ -114,10 +114,10 @@ def _short(value: Any) -> str:
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None:
     return repr(value)
-  return _dtype_shape(dtype, shape)
+  return dtype_shape(dtype, shape)
 
 
-def _dtype_shape(dtype: Any, shape: Sequence[int]) -> str:
+def dtype_shape(dtype: Any, shape: Sequence[int]) -> str:
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return f"{dtype}[{','.join(map(str, shape))}]"
   d = np.dtype(dtype)
@@ -340,11 +340,6 @@ def logical_axes(tree: Any) -> Any:
             "('embed', 'mlp') for a 2-D kernel; a shorter tuple leaves the trailing dims "
             "replicated."))
   return out
-
-
-def rank_mismatch(axes: Any, leaf: Any) -> tuple[int, ...] | None:
-  """The parameter's shape if ``axes`` names more dims than it has, else None."""
-  return fit_rank(axes, leaf)[1]
 
 
 def unbox(tree: Any) -> Any:

@@ -45,7 +45,8 @@ from partition._logical_axes import (
   path_str,
 )
 
-__all__ = ["PathMatch", "PathRules", "PathRulesError", "as_path_rules", "path_str"]
+__all__ = ["PathMatch", "PathRules", "PathRulesError", "as_path_rules", "is_path_table",
+           "path_str"]
 
 AXES_FIX = "Write each entry as (regex, logical_axes), e.g. (r'.*/kernel$', ('embed', 'mlp'))."
 
@@ -272,6 +273,17 @@ class PathRules:
       return leaf if is_param_leaf(leaf) else Annotated(leaf, axes)
 
     return jax.tree.map(box, tree, axes_tree, is_leaf=is_param_leaf)
+
+
+def is_path_table(x: Any) -> bool:
+  """True for a non-empty list of ``(regex, logical axes or None)`` pairs.
+
+  >>> is_path_table([(r'kernel$', ('embed', 'mlp'))]), is_path_table([('embed', 'mlp')])
+  (True, False)
+  """
+  return isinstance(x, list) and bool(x) and all(
+      isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], str)
+      and (e[1] is None or isinstance(e[1], (tuple, list))) for e in x)
 
 
 def as_path_rules(table: Any) -> PathRules | None:

@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec
 
 from partition._config import Resource, RulesError, Value
 from partition._errors import did_you_mean, format_message
+from partition._mesh import axes_entry
 from partition._resources import SerialLoop
 
 FIRED = "fired"
@@ -110,8 +111,7 @@ def _show(value: Value) -> str:
 def _entry(d: DimResolution):
   if not isinstance(d.logical, str):
     return d.logical  # None or PartitionSpec.UNCONSTRAINED pass through, as in flax
-  axes = tuple(r for r in d.resources or () if isinstance(r, str))
-  return None if not axes else axes[0] if len(axes) == 1 else axes
+  return axes_entry(r for r in d.resources or () if isinstance(r, str))
 
 
 class _Dim:
