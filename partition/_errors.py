@@ -53,15 +53,17 @@ class MeshError(PartitionError, ValueError):
   """No usable mesh, or a mesh that does not match what was asked for."""
 
 
-def did_you_mean(word: str, options: Iterable[str]) -> str:
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
   """`` (did you mean 'x'?)`` for the option closest to ``word``, or ``''``.
 
-  The one format of the library's hints; it reads well mid-sentence and at the end.
+  The one format of the library's hints; it reads well mid-sentence and at the end. A
+  higher ``cutoff`` (difflib's similarity, 0 to 1) asks for a nearer miss.
 
   >>> 'no rule for ' + repr('mpl') + did_you_mean('mpl', ['mlp', 'embed'])
   "no rule for 'mpl' (did you mean 'mlp'?)"
   """
-  close = difflib.get_close_matches(str(word), [o for o in options if isinstance(o, str)], n=1)
+  close = difflib.get_close_matches(str(word), [o for o in options if isinstance(o, str)], n=1,
+                                    cutoff=cutoff)
   return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -126,7 +126,7 @@ def full_spec(plan: Plan, spec: AxisSpec, ndim: int, positional: Sequence[Entry]
   """One entry per dim: named dims on their mesh axes, positional ones from ``positional``
   (or ``default`` when not known)."""
   pos = iter(positional if positional is not None else [default] * (ndim - len(spec.dims)))
-  entries = [plan.mesh_specaxes_entry(spec.names[spec.dims.index(d)]) if d in spec.dims
+  entries = [plan.mesh_spec_entry(spec.names[spec.dims.index(d)]) if d in spec.dims
              else next(pos) for d in range(ndim)]
   return PartitionSpec(*entries)
 

@@ -33,6 +33,7 @@ from partition._resources import SerialLoop
 FIRED = "fired"
 USED = "mesh axis already used"
 INDIVISIBLE = "not divisible"
+TYPO_CUTOFF = 0.8  # 'tensr'/'tensor' 0.91, 'dta'/'data' 0.86; 'sequence'/'tensor_sequence' 0.70
 
 
 class ResolutionError(RulesError):
@@ -154,8 +155,10 @@ def resolve(
                                                      named_loops or {})
       dim.attempts.append(Attempt(r, value, outcome, detail))
       # A missing axis that is a near-miss of one the mesh has ('tensr', 'dta') cannot be
-      # intended: an error even without strict. Others act as size-1 axes (as in flax).
-      reported = missing if strict else [a for a in missing if did_you_mean(a, mesh_sizes or ())]
+      # intended: an error even without strict. Others act as size-1 axes (as in flax), so
+      # MaxText's table ('tensor_sequence' beside 'sequence') works on smaller meshes.
+      reported = missing if strict else [
+          a for a in missing if did_you_mean(a, mesh_sizes or (), cutoff=TYPO_CUTOFF)]
       problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
                    f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in reported]
       if outcome == FIRED:
