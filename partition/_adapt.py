@@ -27,6 +27,7 @@ from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message, short
 from partition._explain import explain as _explain
 from partition._logical_axes import (
+  LogicalAxesError,
   LogicalAxesTypeError,
   abstract,
   check_names,
@@ -101,6 +102,16 @@ def check_rngs(rngs: Any, api: str) -> None:
   raise AdapterTypeError(
       f"{api}: rngs must be a PRNG key or a dict of them, got {what}. Pass "
       "jax.random.key(0), or {'params': jax.random.key(0), 'dropout': jax.random.key(1)}.")
+
+
+def check_axes_rank(shape: Any, axes: tuple, where: str) -> None:
+  """``with_axes`` in both flax APIs: at most one logical name per dim (a shorter tuple is a
+  prefix, as in flax)."""
+  if shape is not None and len(shape) < len(axes):
+    raise LogicalAxesError(
+        f"{where} has shape {tuple(shape)} but was given logical axes {axes} ({len(axes)} "
+        "dims). Give at most one logical name (or None) per dim (a shorter tuple leaves the "
+        "trailing dims replicated, as in flax).")
 
 
 def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,

@@ -258,6 +258,14 @@ def _t5x_lookup(tables: Mapping[str, Mapping[str, tuple]], path: tuple) -> tuple
   return tables.get(collection, {}).get(rest)
 
 
+def declared_axes(leaf: Any, path: tuple, t5x_tables: Mapping[str, Mapping[str, tuple]]
+                  ) -> tuple | None:
+  """A parameter's own logical axes: its box / Variable metadata, else T5X's ``params_axes``
+  entry for its path (``t5x_tables`` from :func:`_t5x_tables` of the whole tree)."""
+  axes = leaf_axes(leaf)
+  return _t5x_lookup(t5x_tables, path) if axes is None else axes
+
+
 def fit_rank(axes: Any, leaf: Any) -> tuple[Any, tuple[int, ...] | None]:
   """``(axes padded to the rank, None)``, or ``(axes, shape)`` if ``axes`` is too long.
 
@@ -322,10 +330,7 @@ def logical_axes(tree: Any) -> Any:
   problems: list[str] = []
 
   def one(path, leaf):
-    axes = leaf_axes(leaf)
-    if axes is None:
-      axes = _t5x_lookup(tables, path)
-    axes, shape = fit_rank(axes, leaf)
+    axes, shape = fit_rank(declared_axes(leaf, path, tables), leaf)
     if shape is not None:
       problems.append(f"{path_str(path) or '<root>'}: logical axes {tuple(axes)} name "
                       f"{len(axes)} dims but the parameter has shape {shape}")

@@ -37,8 +37,8 @@ from partition._logical_axes import (
   Annotated,
   _graph_state,
   _is_nnx_variable,
-  _t5x_lookup,
   _t5x_tables,
+  declared_axes,
   fit_rank,
   is_param_leaf,
   leaf_axes,
@@ -197,9 +197,7 @@ class PathRules:
 
     def one(path, leaf):
       name = path_str(path)
-      own = leaf_axes(leaf)
-      if own is None:
-        own = _t5x_lookup(tables, path)
+      own = declared_axes(leaf, path, tables)
       hit = self.lookup(name)
       if hit is not None:
         used.add(hit[0])

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 
 from partition._errors import did_you_mean, format_message
-from partition._resolve import FIRED, INDIVISIBLE, Resolution
+from partition._resolve import INDIVISIBLE, Resolution
 
 
 class PartitionWarning(UserWarning):

@@ -158,22 +158,13 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
 # -- giving stock modules logical axes --------------------------------------------------------
 
 
-def _check_rank(value: Any, axes: Axes, where: str) -> None:
-  shape = getattr(value, "shape", None)
-  if shape is not None and len(shape) < len(axes):
-    raise LogicalAxesError(
-        f"with_axes: {where} has shape {tuple(shape)} but was given logical axes {axes} "
-        f"({len(axes)} dims). Give at most one logical name (or None) per dim (a shorter "
-        "tuple leaves the trailing dims replicated, as in flax).")
-
-
 def _boxed_init(init_fn, axes: Axes, where: str):
   @functools.wraps(init_fn)
   def init(*args, **kwargs):
     value = init_fn(*args, **kwargs)
     if isinstance(value, meta.AxisMetadata):  # the decorator's axes win
       value = value.unbox(apply_constraint=False)
-    _check_rank(value, axes, where)
+    _adapt.check_axes_rank(getattr(value, "shape", None), axes, f"with_axes: {where}")
     return nn.LogicallyPartitioned(value, axes)
   return init
 

@@ -183,11 +183,7 @@ def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
     if not isinstance(var, nnx.Variable):
       raise _unknown_variable(cls, name, created)
     shape = getattr(var.get_value(), "shape", ())
-    if len(shape) < len(axes):
-      raise LogicalAxesError(
-          f"with_axes({cls.__name__}): Variable {name!r} has shape {tuple(shape)} but was "
-          f"given logical axes {axes} ({len(axes)} dims). Give at most one name (or None) "
-          "per dim (a shorter tuple leaves the trailing dims replicated).")
+    _adapt.check_axes_rank(shape, axes, f"with_axes({cls.__name__}): Variable {name!r}")
     var.set_metadata("out_sharding", axes)
     if nnx.using_eager_sharding() and current_rules() is not None and (
         current_rules_mesh() is not None):
