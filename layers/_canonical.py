@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from partition import PartitionError
-from partition._errors import format_message
+from partition import format_message
 
 _UNROLLED = re.compile(r"^blocks_(\d+)$")
 _WRAPPERS = ("params", "transformer")

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from partition import PartitionError
-from partition._errors import format_message
+from partition import format_message
 
 # Remat policy names -> ``jax.checkpoint`` policies. ``'none'`` means no remat at all;
 # ``'full'`` recomputes everything in the backward pass (policy ``None``).

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import jax
 
 from partition import PartitionError
-from partition._errors import format_message
+from partition import format_message
 
 init = jax.nn.initializers
 

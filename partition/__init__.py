@@ -1,6 +1,6 @@
 """named-partition: shard JAX programs by name."""
 
-# --- xmap core (issue 2) ---
+# --- xmap: named axes, placed on mesh axes and serial loops ---
 from partition._resources import SerialLoop as SerialLoop
 from partition._resources import serial_loop as serial_loop
 from partition._errors import AxisNameError as AxisNameError
@@ -17,15 +17,15 @@ from partition._specs import Sum as Sum
 from partition._specs import Logical as Logical
 from partition._xmap import xmap as xmap
 
-# --- training through xmap (issue 7) ---
+# --- training through xmap ---
 from partition._grad import GradSpecError as GradSpecError
 from partition._grad import value_and_grad as value_and_grad
 
-# --- rules engine (issue 3) ---
-from partition._config import ConfigError as ConfigError
+# --- logical axis rules ---
+from partition._config import RulesConfigError as RulesConfigError
 from partition._config import RulesError as RulesError
 from partition._config import RulesTypeError as RulesTypeError
-from partition._config import ConfigTypeError as ConfigTypeError
+from partition._config import RulesConfigTypeError as RulesConfigTypeError
 from partition._io import FileError as FileError
 from partition._constrain import NoRulesError as NoRulesError
 from partition._constrain import constrain as constrain
@@ -38,7 +38,7 @@ from partition._resolve import Resolution as Resolution
 from partition._resolve import ResolutionError as ResolutionError
 from partition._rules import AxisRules as AxisRules
 
-# --- framework adapters (issue 4) ---
+# --- parameters: declared axes, path tables, placement ---
 from partition._logical_axes import Annotated as Annotated
 from partition._logical_axes import LogicalAxesError as LogicalAxesError
 from partition._logical_axes import logical_axes as logical_axes
@@ -51,3 +51,17 @@ from partition._audit import ReplicatedWarning as ReplicatedWarning
 from partition._optim import OptimizerStateError as OptimizerStateError
 from partition._optim import optimizer_axes as optimizer_axes
 from partition._optim import optimizer_init as optimizer_init
+from partition._warnings import PartitionWarning as PartitionWarning
+
+# --- helpers for packages built on partition (layers/, recipes/): one message layout ---
+from partition._errors import did_you_mean as did_you_mean
+from partition._errors import format_message as format_message
+from partition._explain import human_bytes as human_bytes
+from partition._io import atomic_write as atomic_write
+from partition._logical_axes import path_str as path_str
+
+# --- wiring: partition.axis_rules also sets flax's nn.logical_axis_rules (when flax is used) ---
+from partition._flax_hook import FLAX_RULES_HOOK as _FLAX_RULES_HOOK
+from partition._scope import register_rules_hook as _register_rules_hook
+
+_register_rules_hook(_FLAX_RULES_HOOK)

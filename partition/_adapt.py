@@ -11,31 +11,31 @@ Between 2 and 3 :func:`place` runs ``partition._audit.audit_placement``: ``stric
 turns every unplaced name / path / dim into one error, otherwise one warning lists large
 parameters left fully replicated.
 
-Importing this module registers :func:`flax_rules` with ``partition._context`` (a hook), so
-``partition.axis_rules`` also sets flax's ``nn.logical_axis_rules`` without the core
-importing any adapter.
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from partition import _context
 from partition._audit import audit_placement
 from partition._constrain import NoRulesError
 from partition._context import axis_rules, current_rules, current_rules_mesh
-from partition._errors import MeshError, PartitionError, format_message
+from partition._errors import MeshError, PartitionError, format_message, short
 from partition._explain import explain as _explain
-from partition._logical_axes import abstract, logical_axes, unbox
+from partition._logical_axes import (
+  LogicalAxesError,
+  LogicalAxesTypeError,
+  abstract,
+  check_names,
+  logical_axes,
+  unbox,
+)
 from partition._mesh import AnyMesh
 from partition._path_rules import PathMatch, as_path_rules
-from partition._resources import SerialLoop
 from partition._rules import AxisRules
 
 
@@ -49,14 +49,12 @@ def describe_value(x: Any) -> str:
     return f"the class {x.__module__}.{x.__qualname__}"
   if callable(x) and hasattr(x, "__qualname__"):
     return f"the function {x.__qualname__}"
-  text = repr(x)
-  return f"{type(x).__name__} {text[:60] + '...' if len(text) > 60 else text}"
+  return f"{type(x).__name__} {short(x)}"
 
 
 def check_axes_table(params: Any, output: Any, what: str) -> tuple[dict[str, Any], Any]:
   """``with_axes(params=, output=)`` validated (a str is never split into letters); ``what``
   names the table's keys in messages ('param' for linen, 'Variable' for NNX)."""
-  from partition._logical_axes import LogicalAxesTypeError, check_names
   if params is not None and not isinstance(params, Mapping):
     raise LogicalAxesTypeError(
         f"with_axes(params=...) takes a mapping {{{what} name: logical axes}}, got "
@@ -72,30 +70,48 @@ def check_axes_table(params: Any, output: Any, what: str) -> tuple[dict[str, Any
   return table, out
 
 
-def _is_key(x: Any) -> bool:
-  dtype = getattr(x, "dtype", None)
+def is_prng_key(x: Any) -> bool:
+  """One PRNG key: a typed key of shape ``()`` or a raw ``uint32[2]`` key.
+
+  >>> import jax, jax.numpy as jnp
+  >>> is_prng_key(jax.random.key(0)), is_prng_key(jax.random.PRNGKey(0)), is_prng_key(3)
+  (True, True, False)
+  >>> is_prng_key(jnp.zeros(2, jnp.uint32)), is_prng_key(jax.random.split(jax.random.key(0)))
+  (True, False)
+  """
+  dtype, shape = getattr(x, "dtype", None), tuple(getattr(x, "shape", (None,)))
   if dtype is None:
     return False
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-    return True
-  return dtype == "uint32" and getattr(x, "shape", ())[-1:] == (2,)
+    return shape == ()
+  return dtype == "uint32" and shape == (2,)
 
 
 def check_rngs(rngs: Any, api: str) -> None:
   """A PRNG key or a ``{name: key}`` dict, as ``module.init`` takes; else a clear error."""
   if isinstance(rngs, Mapping):
     bad = [f"{k!r}: {describe_value(v)}" for k, v in rngs.items()
-           if not isinstance(k, str) or not _is_key(v)]
+           if not isinstance(k, str) or not is_prng_key(v)]
     if not bad:
       return
     what = "a dict with entries that are not 'name': key pairs (" + "; ".join(bad) + ")"
-  elif _is_key(rngs):
+  elif is_prng_key(rngs):
     return
   else:
     what = describe_value(rngs)
   raise AdapterTypeError(
       f"{api}: rngs must be a PRNG key or a dict of them, got {what}. Pass "
       "jax.random.key(0), or {'params': jax.random.key(0), 'dropout': jax.random.key(1)}.")
+
+
+def check_axes_rank(shape: Any, axes: tuple, where: str) -> None:
+  """``with_axes`` in both flax APIs: at most one logical name per dim (a shorter tuple is a
+  prefix, as in flax)."""
+  if shape is not None and len(shape) < len(axes):
+    raise LogicalAxesError(
+        f"{where} has shape {tuple(shape)} but was given logical axes {axes} ({len(axes)} "
+        "dims). Give at most one logical name (or None) per dim (a shorter tuple leaves the "
+        "trailing dims replicated, as in flax).")
 
 
 def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,
@@ -116,44 +132,6 @@ def need_rules_mesh(rules: Any, mesh: AnyMesh | None, api: str, *,
   return found_rules, found_mesh
 
 
-def flax_rules(rules: AxisRules, mesh: AnyMesh | None = None) -> tuple:
-  """``rules`` as flax's ``LogicalRules`` (for ``nn.logical_axis_rules``).
-
-  Loops are dropped; with a mesh, axes it lacks are dropped (size-1 axes are kept: flax's
-  "already used" check must see them, as ``AxisRules`` does). A rule left without axes maps
-  its name to ``None`` (replicated), never disappears: flax NNX resolves a name without a
-  rule to *itself* (``rules.get(name, name)``), which would pass a logical name to
-  ``NamedSharding`` as a mesh axis.
-
-  Example:
-    >>> import jax, partition
-    >>> from partition._adapt import flax_rules
-    >>> mesh = jax.make_mesh((4, 2), ('data', 'fsdp'))
-    >>> flax_rules(partition.AxisRules([('embed', 'fsdp'), ('mlp', 'tensor')]), mesh)
-    (('embed', 'fsdp'), ('mlp', None))
-  """
-  sizes = None if mesh is None else dict(mesh.shape)
-  out = []
-  for name, value in rules.pairs:
-    axes = [a for a in value or () if not isinstance(a, SerialLoop)]
-    if sizes is not None:
-      axes = [a for a in axes if a in sizes]
-    out.append((name, None if not axes else axes[0] if len(axes) == 1 else tuple(axes)))
-  return tuple(out)
-
-
-def _set_flax_rules(rules: AxisRules, mesh: AnyMesh | None):
-  """The ``partition._context`` hook: flax's rules context, if flax is in use."""
-  if "flax.core.spmd" not in sys.modules:
-    return contextlib.nullcontext()
-  from flax.core import spmd
-
-  return spmd.logical_axis_rules(flax_rules(rules, mesh))
-
-
-_context.register_rules_hook(_set_flax_rules)
-
-
 def passthrough_rules(rules: AxisRules, mesh: AnyMesh) -> AxisRules:
   """``rules`` plus ``(axis, axis)`` for each mesh axis that is not a logical name.
 
@@ -163,16 +141,6 @@ def passthrough_rules(rules: AxisRules, mesh: AnyMesh) -> AxisRules:
   """
   extra = [(a, a) for a in mesh.axis_names if a not in rules.names]
   return rules + extra if extra else rules
-
-
-def rules_context(rules: AxisRules, mesh: AnyMesh | None):
-  """``partition.axis_rules(rules, mesh)`` (which also sets flax's rules when flax is used)."""
-  return axis_rules(rules, mesh)
-
-
-def apply_path_rules(tree: Any, param_axes: Any) -> Any:
-  """Logical axes of ``tree``: declared ones, filled in by the path table if given."""
-  return match_axes(tree, param_axes)[0]
 
 
 def match_axes(tree: Any, param_axes: Any) -> tuple[Any, PathMatch | None]:
@@ -190,13 +158,18 @@ def shardings_for(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
 
 
 def place(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh, *, strict: bool, api: str,
-          path_match: PathMatch | None = None) -> Any:
-  """:func:`shardings_for`, audited (one strict error, or one replicated warning)."""
+          path_match: PathMatch | None = None, named: Any = None) -> Any:
+  """:func:`shardings_for`, audited (one strict error, or the fallback warnings).
+
+  ``named`` (optional) maps a tree of ``tree``'s structure to the one the audit reports on
+  (Haiku's ``(params, state)`` become ``params/...`` and ``state/...``).
+  """
   if not isinstance(strict, bool):
-    raise TypeError(f"{api}(strict=...) takes True or False, got {strict!r}.")
+    raise AdapterTypeError(f"{api}(strict=...) takes True or False, got {short(strict)}.")
   shardings = shardings_for(tree, axes, rules, mesh)
-  audit_placement(unbox(tree), axes, shardings, rules, mesh, strict=strict, api=api,
-                  path_match=path_match)
+  rename = named or (lambda t: t)
+  audit_placement(unbox(rename(tree)), rename(axes), rename(shardings), rules, mesh,
+                  strict=strict, api=api, path_match=path_match)
   return shardings
 
 
@@ -212,6 +185,6 @@ def explain_tree(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh):
 
 def jit_init(init, shardings: Any, rules: AxisRules, mesh: AnyMesh, *args: Any) -> Any:
   """Runs ``init(*args)`` under ``jax.jit(out_shardings=shardings)`` in the rules context."""
-  with rules_context(rules, mesh):
+  with axis_rules(rules, mesh):
     return jax.jit(init, out_shardings=shardings)(*args)
 

@@ -7,11 +7,13 @@ for (logical axes, path patterns) next to what was placed:
 * ``strict=True``: every name without a rule, path without axes, unused path pattern, rule or
   spec naming a mesh axis the mesh lacks, and dim that no candidate divides is collected into
   ONE :class:`PlacementError` (paths written ``a/b/c``).
-* ``strict=False``: ONE :class:`ReplicatedWarning` listing the parameters left fully
-  replicated on a mesh of more than one device, with the bytes that costs each device. It is
-  emitted only if at least one of them holds ``warn_bytes`` or more (default
-  :data:`WARN_BYTES`, 64 KiB, a 128 x 128 float32 kernel), so small biases and norm scales
-  never nag.
+* ``strict=False``: one :class:`~partition.PartitionWarning` per distinct fallback among
+  named dims (a name without a rule, a dim no rule divides), whatever the parameter's size;
+  null rules replicate on purpose and warn nothing. Then ONE :class:`ReplicatedWarning`
+  listing the parameters *without logical axes* left fully replicated on a mesh of more than
+  one device, with the bytes that costs each device, emitted only if one of them holds
+  ``warn_bytes`` or more (default :data:`WARN_BYTES`, 64 KiB, a 128 x 128 float32 kernel).
+* A path pattern that matches no parameter is an error in both modes.
 
 Specs that would make JAX fail anyway (a ``PartitionSpec`` leaf, e.g. from
 ``nn.with_partitioning``, naming a mesh axis the mesh lacks or not dividing its dim) are
@@ -24,15 +26,21 @@ logical-axes tuples and ``PartitionSpec``s / ``NamedSharding``s.
 >>> from partition._audit import audit_placement
 >>> mesh = jax.make_mesh((8,), ('fsdp',))
 >>> rules = partition.AxisRules([('embed', 'fsdp')])
->>> tree = {'w': jax.ShapeDtypeStruct((256, 128), jnp.float32)}
->>> axes = {'w': ('embd', 'mlp')}
+>>> tree = {'w': jax.ShapeDtypeStruct((256, 128), jnp.float32),
+...         'v': jax.ShapeDtypeStruct((256, 128), jnp.float32)}
+>>> axes = {'w': ('embd', 'mlp'), 'v': None}
 >>> specs = rules.tree_specs(axes, tree, mesh)
 >>> with warnings.catch_warnings(record=True) as caught:
 ...   warnings.simplefilter('always')
 ...   audit_placement(tree, axes, specs, rules, mesh, strict=False, api='demo')
->>> print(caught[0].message)  # doctest: +ELLIPSIS
-demo: 1 parameter(s) are fully replicated on 8 devices, 128.00 KiB per device:
-  * w f32[256,128] ('embd', 'mlp'): no rule for 'embd' (did you mean 'embed'?), no rule for 'mlp'
+>>> for w in caught:
+...   print(w.category.__name__, w.message)  # doctest: +ELLIPSIS
+PartitionWarning demo: logical axis 'embd' has no rule (did you mean 'embed'?), so w dim 0 is replicated.
+Add a rule for 'embd' ...
+PartitionWarning demo: logical axis 'mlp' has no rule, so w dim 1 is replicated.
+Add a rule for 'mlp' ...
+ReplicatedWarning demo: 1 parameter(s) are fully replicated on 8 devices, 128.00 KiB per device:
+  * v f32[256,128]: no logical axes
 Add rules for those names, ... or pass strict=True to make this an error.
 >>> audit_placement(tree, axes, specs, rules, mesh, strict=True, api='demo')
 Traceback (most recent call last):
@@ -55,12 +63,14 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._config import did_you_mean
-from partition._errors import PartitionError, format_message
-from partition._mesh import AnyMesh, axis_sizes, describe
+from partition._errors import PartitionError, did_you_mean, format_message
+from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
+from partition._explain import human_bytes
+from partition._logical_axes import dtype_shape
 from partition._path_rules import PathMatch, path_str
 from partition._resolve import INDIVISIBLE, Resolution
 from partition._rules import AxisRules, is_axes_leaf
+from partition._warnings import PartitionWarning, warn_fallbacks
 
 WARN_BYTES = 64 * 1024
 """Default ``warn_bytes``: a replicated parameter this large (bytes) triggers the warning."""
@@ -72,6 +82,9 @@ STRICT_FIX = (
     "pattern, None to replicate on purpose), remove unused patterns, pad the dims or choose "
     "rules that divide them; or pass strict=False.")
 
+PATTERN_FIX = ("Fix or remove the path patterns that match nothing (print the paths with "
+               "partition.PathRules(...).match(params) to see them).")
+
 SPEC_FIX = ("Mesh axes given directly (nn.with_partitioning, a PartitionSpec) must be axes of "
             "the mesh and divide their dims: fix the name, use a logical name with a rule "
             "instead, or pad the dim.")
@@ -81,8 +94,9 @@ class PlacementError(PartitionError, ValueError):
   """``strict=True`` placement found names, paths or dims that would not be sharded as asked."""
 
 
-class ReplicatedWarning(UserWarning):
-  """Parameters were left fully replicated on a multi-device mesh (``strict=False``)."""
+class ReplicatedWarning(PartitionWarning):
+  """Large parameters without logical axes were left fully replicated on a multi-device
+  mesh (``strict=False``)."""
 
 
 def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: AxisRules,
@@ -117,22 +131,37 @@ def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: 
   """
   sizes = dict(axis_sizes(mesh))
   leaves = _leaves(abstract_tree, axes_tree, specs_tree)
-  fatal, problems, replicated = [], [], []
+  fatal, problems, replicated, resolutions = [], [], [], []
   for path, leaf, axes, spec in leaves:
     fatal += _spec_problems(path, leaf, axes, sizes)
     res = _resolution(rules, axes, leaf, mesh)
+    if res is not None:
+      resolutions.append((path, res))
     if strict:
       problems += _strict_problems(path, axes, res, rules, sizes)
-    if _is_replicated(leaf, spec, sizes):
-      replicated.append((path, leaf, axes, res))
+    if _is_replicated(leaf, spec, sizes) and not _names_any(axes):
+      replicated.append((path, leaf, axes, res))  # no logical axes at all
+  spec_fatal = bool(fatal)
+  if path_match is not None:
+    # A pattern that matches no parameter cannot be intended: an error in both modes.
+    fatal += [f"path pattern {p!r} matches no parameter" for p in path_match.unused]
   if strict and path_match is not None:
     problems += [f"{p}: no declared axes and no path pattern matches it"
                  for p in path_match.unmatched]
-    problems += [f"path pattern {p!r} matches no parameter" for p in path_match.unused]
   if fatal or problems:
-    _raise(api, strict, fatal + problems, mesh, STRICT_FIX if problems else SPEC_FIX)
+    fix = STRICT_FIX if problems else " ".join(
+        [SPEC_FIX] * spec_fatal + [PATTERN_FIX] * (len(fatal) > spec_fatal))
+    _raise(api, strict, fatal + problems, mesh, fix)
   if not strict and math.prod(sizes.values()) > 1:
+    # Named dims left replicated for want of a rule or a divisor: one warning per cause,
+    # whatever the size. Replicated by a null rule (data_parallel): on purpose, silent.
+    warn_fallbacks(api, resolutions, rules, stacklevel=4)
     _warn(api, replicated, rules, sizes, warn_bytes)
+
+
+def _names_any(axes: Any) -> bool:
+  """True if ``axes`` names at least one logical axis (or mesh axes, for a spec)."""
+  return isinstance(axes, PartitionSpec) or any(a is not None for a in _names(axes))
 
 
 def _leaves(abstract_tree, axes_tree, specs_tree) -> list[tuple[str, Any, Any, Any]]:
@@ -176,9 +205,9 @@ def _spec_problems(path: str, leaf: Any, axes: Any, sizes: Mapping[str, int]) ->
     return []
   out = []
   for i, entry in enumerate(tuple(axes)):
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    names = entry_axes(entry)
+    if not names:
       continue
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
     missing = [a for a in names if a not in sizes]
     out += [f"{path} dim {i}: {axes} names mesh axis {a!r}, which the mesh lacks"
             f"{did_you_mean(a, list(sizes))}" for a in missing]
@@ -223,9 +252,7 @@ def _is_replicated(leaf: Any, spec: Any, sizes: Mapping[str, int]) -> bool:
   if not leaf.shape or math.prod(sizes.values()) <= 1:
     return False
   for entry in tuple(spec) if isinstance(spec, PartitionSpec) else ():
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-      continue
-    names = (entry,) if isinstance(entry, str) else tuple(entry)
+    names = entry_axes(entry)
     if math.prod(sizes.get(a, 1) for a in names) > 1:
       return False
   return True
@@ -255,12 +282,6 @@ def _reason(axes: Any, res: Resolution | None, rules: AxisRules) -> str:
   return ", ".join(parts)
 
 
-def _short(leaf: Any) -> str:
-  from partition._logical_axes import _dtype_shape
-
-  return _dtype_shape(leaf.dtype, leaf.shape)
-
-
 def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int],
           warn_bytes: int) -> None:
   if not any(_nbytes(leaf) >= warn_bytes for _, leaf, _, _ in replicated):
@@ -271,12 +292,10 @@ def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int]
   for path, leaf, axes, res in replicated[:_SHOWN]:
     label = "" if axes is None else f" {tuple(axes)}"
     reason = _reason(axes, res, rules)
-    bullets.append(f"{path} {_short(leaf)}{label}: {reason}" if label
-                   else f"{path} {_short(leaf)}: {reason}")
+    bullets.append(f"{path} {dtype_shape(leaf.dtype, leaf.shape)}{label}: {reason}" if label
+                   else f"{path} {dtype_shape(leaf.dtype, leaf.shape)}: {reason}")
   if len(replicated) > _SHOWN:
     bullets.append(f"... and {len(replicated) - _SHOWN} more")
-  from partition._explain import human_bytes
-
   warnings.warn(format_message(
       f"{api}: {len(replicated)} parameter(s) are fully replicated on "
       f"{math.prod(sizes.values())} devices, {human_bytes(total)} per device:",

@@ -19,20 +19,18 @@ a fix; all problems of a file are collected before raising.
 
 from __future__ import annotations
 
-import difflib
 import json
 import json.decoder
 import json.scanner
 import os
 import re
-import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
 from partition import _io
-from partition._errors import PartitionError, format_message
+from partition._errors import PartitionError, did_you_mean, format_message, short
 from partition._resources import MAX_LOOP_LENGTH, SerialLoop, loop_length_problem
 
 try:  # Python >= 3.11
@@ -51,11 +49,6 @@ MAX_FILE_BYTES = _io.MAX_READ_BYTES
 MAX_DEPTH = 64  # rules need 4 levels; peers' configs (MaxText, T5X) fewer than 10
 MAX_NODES = 200_000  # counts aliased YAML nodes once per use: stops "billion laughs"
 
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
-_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
-
-
 class RulesError(PartitionError, ValueError):
   """A rule table (built in Python or read from a file) is malformed."""
 
@@ -64,22 +57,12 @@ class RulesTypeError(RulesError, TypeError):
   """A rule table was built from a Python object of the wrong type."""
 
 
-class ConfigError(RulesError):
+class RulesConfigError(RulesError):
   """A rules file cannot be read: bad syntax, unknown key, wrong type or order."""
 
 
-class ConfigTypeError(ConfigError, RulesTypeError):
+class RulesConfigTypeError(RulesConfigError, RulesTypeError):
   """A rules-file argument has the wrong type (a path that is not a path, a bad key)."""
-
-
-def short(x: Any) -> str:
-  """A bounded ``repr`` for messages (junk can be huge, deep or self-referential)."""
-  return _REPR.repr(x)
-
-
-def did_you_mean(word: str, options: Sequence[str]) -> str:
-  close = difflib.get_close_matches(word, list(options), n=1)
-  return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 # -- one entry ------------------------------------------------------------------------------
@@ -213,7 +196,7 @@ def parse_document(doc: Any) -> tuple[list[tuple[str, Value]], list[str]]:
   return pairs, problems + more
 
 
-def key_parts(key: Any, error: type[Exception] = ConfigTypeError) -> tuple[str, ...]:
+def key_parts(key: Any, error: type[Exception] = RulesConfigTypeError) -> tuple[str, ...]:
   """``key=`` as parts: ``'a.b'`` -> ``('a', 'b')``; a list/tuple of str is taken as is."""
   if isinstance(key, str) and key.strip():
     return tuple(key.split("."))
@@ -235,7 +218,7 @@ def select(doc: Any, key: Any, source: str) -> tuple[Any, str]:
   while i < len(parts):
     if not isinstance(node, Mapping):
       where = ".".join(path) or "the top level"
-      raise ConfigError(format_message(
+      raise RulesConfigError(format_message(
           f"{source}: cannot look up key={'.'.join(parts)!r}: {where!r} is a "
           f"{type(node).__name__}, not a mapping.",
           fix="Give the dotted path of the rules list, e.g. key='logical_axis_rules'."))
@@ -245,7 +228,7 @@ def select(doc: Any, key: Any, source: str) -> tuple[Any, str]:
         node, i = node[path[-1]], j
         break
     else:
-      raise ConfigError(_missing_key_message(node, parts, i, path, source, doc))
+      raise RulesConfigError(_missing_key_message(node, parts, i, path, source, doc))
   return node, ".".join(path)
 
 
@@ -279,7 +262,7 @@ def parse_selected(value: Any, label: str, doc: Any = None
 # -- reading files ----------------------------------------------------------------------------
 
 
-def format_of(path: str, fmt: Any, error: type[Exception] = ConfigError) -> str:
+def format_of(path: str, fmt: Any, error: type[Exception] = RulesConfigError) -> str:
   """The format named by ``fmt`` or, if ``None``, by the extension of ``path``."""
   if fmt is not None:
     fmt = fmt.lower() if isinstance(fmt, str) else fmt  # format='YAML' is unambiguous
@@ -305,7 +288,7 @@ def _toml_line(err: BaseException, data: bytes) -> list[str]:
   return [f"line {m.group(1)}: {short(lines[int(m.group(1)) - 1].strip())[1:-1]}{hint}"]
 
 
-def _syntax_error(path: str, fmt: str, err: BaseException, data: bytes = b"") -> ConfigError:
+def _syntax_error(path: str, fmt: str, err: BaseException, data: bytes = b"") -> RulesConfigError:
   detail = str(err).strip().replace("\n", " ")
   detail = detail if len(detail) <= 300 else detail[:297] + "..."
   mark = getattr(err, "problem_mark", None)
@@ -316,7 +299,7 @@ def _syntax_error(path: str, fmt: str, err: BaseException, data: bytes = b"") ->
   elif isinstance(err, RecursionError):
     detail = f"nested more deeply than Python can parse (the limit here is {MAX_DEPTH})"
   more = _toml_line(err, data) if fmt == "toml" else []
-  return ConfigError(format_message(
+  return RulesConfigError(format_message(
       f"Rules file {path!r} is not valid {fmt.upper()}.", bullets=[detail, *more],
       fix=f"Fix the {fmt.upper()} syntax at that position. {ENTRY_FIX}"))
 
@@ -421,7 +404,7 @@ def parse_text(data: bytes, fmt: str, source: str) -> Any:
     raise _syntax_error(source, fmt, e, data) from None
   problems = duplicates + [p for p in [_depth_problem(doc)] if p]
   if problems:
-    raise ConfigError(format_message(
+    raise RulesConfigError(format_message(
         f"Rules file {source!r} cannot be used ({len(problems)} problem(s)):",
         bullets=problems, fix="Give each key once (merge the two values) and keep the "
                               "nesting to what the schema needs."))
@@ -438,12 +421,12 @@ def load(path: Any, *, format: str | None = None, key: Any = None) -> dict[str, 
       (``'logical_axis_rules'``, ``'partitioning.rules'``) or a list of keys. Other keys
       of the file are then ignored.
   """
-  text_path = _io.fspath(path, "the rules file path", ConfigTypeError)
+  text_path = _io.fspath(path, "the rules file path", RulesConfigTypeError)
   fmt = format_of(text_path, format)
   if key is not None:
     key_parts(key)  # a bad key is a type error before any I/O
   data = _io.read_bytes(text_path, max_bytes=MAX_FILE_BYTES, what="rules file",
-                        error=ConfigError)
+                        error=RulesConfigError)
   doc = parse_text(data, fmt, text_path)
   if key is None:
     pairs, problems = parse_document(doc)
@@ -452,7 +435,7 @@ def load(path: Any, *, format: str | None = None, key: Any = None) -> dict[str, 
     value, label = select(doc, key, f"Rules file {text_path!r}")
     pairs, problems = parse_selected(value, label, doc)
   if problems:
-    raise ConfigError(format_message(
+    raise RulesConfigError(format_message(
         f"Invalid axis rules in {text_path!r}" + (f" under key {label!r}" if label else "")
         + f" ({len(problems)} problem(s)):", bullets=problems, fix=ENTRY_FIX))
   if key is None:
@@ -517,17 +500,17 @@ def dumps(doc: Mapping[str, Any], fmt: str) -> str:
 
 def dump(doc: Mapping[str, Any], path: Any, *, format: str | None = None) -> None:
   """Writes ``doc`` atomically: format and destination are checked before any write."""
-  text_path = _io.fspath(path, "the rules file path", ConfigTypeError)
+  text_path = _io.fspath(path, "the rules file path", RulesConfigTypeError)
   fmt = format_of(text_path, format)
-  _io.check_destination(text_path, ConfigError)
+  _io.check_destination(text_path, RulesConfigError)
   text = dumps(doc, fmt)
   # What we write must read back as the same table (names with odd characters included).
   back, problems = parse_document(parse_text(text.encode(), fmt, text_path))
   expected, _ = parse_document(doc)
   if problems or back != expected:
-    raise ConfigError(f"Cannot write {text_path!r} as {fmt.upper()}: the table would not "
+    raise RulesConfigError(f"Cannot write {text_path!r} as {fmt.upper()}: the table would not "
                       "read back unchanged. Use another format (json keeps any name).")
-  _io.atomic_write(text_path, text, error=ConfigError)
+  _io.atomic_write(text_path, text, error=RulesConfigError)
 
 
 # -- command-line overrides -------------------------------------------------------------------

@@ -9,6 +9,7 @@ axes, ``jax.sharding.reshard`` on ``Explicit`` ones (JAX rejects the former ther
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -17,7 +18,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from partition._config import RulesError, RulesTypeError, short
 from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
-from partition._mesh import AnyMesh, describe, explicit_axes
+from partition._logical_axes import path_str
+from partition._mesh import AnyMesh, axes_entry, describe, entry_axes, explicit_axes
+from partition._scope import inside_xmap, mapped_mesh_axes
+from partition._warnings import PartitionWarning, warn_fallbacks
 from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
@@ -70,8 +74,16 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
   _check_mesh(mesh, "partition.constrain")
   found_mesh = current_rules_mesh(mesh)
   if found_mesh is None:
+    if current_rules(rules) is not None and jax.device_count() > 1:
+      warnings.warn(format_message(
+          f"partition.constrain(x, {short(logical_axes)}) has axis rules but no mesh, so it "
+          f"does nothing on these {jax.device_count()} devices (a legacy `with mesh:` block "
+          "sets no mesh that JAX's public API can read).",
+          fix="Run under `with jax.set_mesh(mesh):`, or pass the mesh: "
+              "`with partition.axis_rules(rules, mesh):` / mesh=."),
+          PartitionWarning, stacklevel=2)
     return x
-  _check_context_mesh(found_mesh)
+  _check_context_mesh(found_mesh, x)
   found_rules = current_rules(rules)
   if found_rules is None:
     raise NoRulesError(format_message(
@@ -80,14 +92,31 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
         context=[describe(found_mesh)],
         fix="Wrap the code in `with partition.axis_rules(rules):`, or pass "
             "rules=partition.AxisRules([...]) (or a rules file path)."))
+  fallbacks: list = []  # (where, Resolution) of every array, for the fallback warnings
   if is_axes_leaf(logical_axes) or _flat_sequence(logical_axes) or (
       jax.tree_util.all_leaves([logical_axes])):  # one array's axes, even malformed ones
-    return _apply(x, _one_spec(found_rules, logical_axes, x, found_mesh, strict), found_mesh)
-  specs = map_axes_tree(
-      lambda _, axes, leaf: found_rules.spec(axes, leaf.shape, found_mesh, strict),
-      logical_axes, x, "partition.constrain")
-  return jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
-                      is_leaf=lambda s: isinstance(s, PartitionSpec))
+    spec = _one_spec(found_rules, logical_axes, x, found_mesh, strict)
+    _note(fallbacks, "x", found_rules, logical_axes, x.shape, found_mesh, strict)
+    out = _apply(x, spec, found_mesh)
+  else:
+    def one(path, axes, leaf):
+      spec = found_rules.spec(axes, leaf.shape, found_mesh, strict)
+      _note(fallbacks, f"x/{path_str(path)}" if path else "x", found_rules, axes, leaf.shape,
+            found_mesh, strict)
+      return spec
+
+    specs = map_axes_tree(one, logical_axes, x, "partition.constrain")
+    out = jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
+                       is_leaf=lambda s: isinstance(s, PartitionSpec))
+  warn_fallbacks("partition.constrain", fallbacks, found_rules, stacklevel=2)
+  return out
+
+
+def _note(fallbacks: list, where: str, rules: Any, axes: Any, shape: Any, mesh: AnyMesh,
+          strict: bool) -> None:
+  """Records the resolution of named axes (not specs, not strict: those raise instead)."""
+  if not strict and isinstance(axes, (tuple, list)) and not isinstance(axes, PartitionSpec):
+    fallbacks.append((where, rules.resolve(tuple(axes), tuple(shape), mesh)))
 
 
 def _one_spec(rules: Any, logical_axes: Any, x: Any, mesh: AnyMesh, strict: bool
@@ -114,8 +143,7 @@ def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
   def keep(entry):
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       return entry
-    names = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a in axes)
-    return None if not names else names[0] if len(names) == 1 else names
+    return axes_entry(a for a in entry_axes(entry) if a in axes)
   return PartitionSpec(*(keep(e) for e in spec))
 
 
@@ -125,10 +153,12 @@ def _device_ids(mesh: AnyMesh) -> frozenset[int] | None:
   return frozenset(d.id for d in mesh.devices.flat)
 
 
-def _check_context_mesh(mesh: AnyMesh) -> None:
-  """The mesh we constrain on must use the devices of the ``jax.set_mesh`` mesh, if any.
+def _check_context_mesh(mesh: AnyMesh, x: Any) -> None:
+  """The mesh we constrain on must agree with the ``jax.set_mesh`` mesh, if any.
 
-  Otherwise JAX fails deep inside ``reshard``/``jit`` with "incompatible devices".
+  Otherwise JAX fails deep inside ``reshard``/``jit``: "incompatible devices" for other
+  devices, a bare ``AssertionError`` for other axis types, and "Length of device assignment
+  1" for Explicit axes traced without any ``jax.set_mesh``.
   """
   try:
     context = jax.sharding.get_mesh()
@@ -136,7 +166,18 @@ def _check_context_mesh(mesh: AnyMesh) -> None:
     context = None
   if context is None or context.empty:
     context = jax.sharding.get_abstract_mesh()
-  if context is None or context.empty or context is mesh:
+  if context is None or context.empty:
+    traced = any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x))
+    if explicit_axes(mesh) and traced:
+      raise MeshError(format_message(
+          "partition.constrain: the rules mesh has Explicit axes "
+          f"{sorted(explicit_axes(mesh))}, but the function is traced outside jax.set_mesh.",
+          context=[f"rules mesh (axis_rules or mesh=): {describe(mesh)}",
+                   "JAX places Explicit-sharded values only under a mesh context."],
+          fix="Call the jitted function inside `with jax.set_mesh(mesh):` (with the same mesh "
+              "as axis_rules), or use a mesh with AxisType.Auto axes."))
+    return
+  if context is mesh:
     return
   ours, theirs = _device_ids(mesh), _device_ids(context)
   differ = (ours != theirs) if ours is not None and theirs is not None else (
@@ -148,11 +189,24 @@ def _check_context_mesh(mesh: AnyMesh) -> None:
                  f"jax.set_mesh mesh: {describe(context)}, {context.size} devices"],
         fix="Use one mesh: `with jax.set_mesh(mesh), partition.axis_rules(rules, mesh):`, or "
             "leave the mesh out of axis_rules so the jax.set_mesh mesh is used."))
+  # Same devices in another shape is fine (placed as asked); Explicit axes on one side only
+  # are not (JAX: a bare AssertionError). xmap bodies run Explicit axes as Auto on purpose.
+  if explicit_axes(mesh) != explicit_axes(context) and not inside_xmap():
+    raise MeshError(format_message(
+        "partition.constrain: the rules mesh and the jax.set_mesh mesh differ in which axes "
+        "are Explicit.",
+        context=[f"rules mesh (axis_rules or mesh=): {describe(mesh)}",
+                 f"jax.set_mesh mesh: {describe(context)}"],
+        fix="Use one mesh for both: `with jax.set_mesh(mesh), partition.axis_rules(rules, "
+            "mesh):`, or leave the mesh out of axis_rules so the jax.set_mesh mesh is used."))
 
 
 def _apply(x: Any, spec: PartitionSpec, mesh: AnyMesh) -> Any:
-  explicit = explicit_axes(mesh)
-  auto = frozenset(mesh.axis_names) - explicit
+  # Inside an xmap body the mesh axes it maps are not ours to constrain: xmap places that
+  # dim (and JAX rejects them in a constraint under vmap(spmd_axis_name=)).
+  mapped = mapped_mesh_axes()
+  explicit = explicit_axes(mesh) - mapped
+  auto = frozenset(mesh.axis_names) - explicit_axes(mesh) - mapped
   try:
     if explicit:
       x = jax.sharding.reshard(x, NamedSharding(mesh, _only(spec, explicit)))

@@ -9,30 +9,14 @@ argument first, context second. The context is a ``contextvars.ContextVar``, so 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
+from partition import _scope
 from partition._mesh import AnyMesh, current_mesh
 from partition._rules import AxisRules
-
-# Context managers entered by axis_rules, registered by framework adapters on import (the
-# flax adapter sets flax's own nn.logical_axis_rules): the core never imports an adapter.
-_HOOKS: list[Callable[[AxisRules, AnyMesh | None], Any]] = []
-
-_STATE: contextvars.ContextVar[tuple[AxisRules | None, AnyMesh | None]] = (
-    contextvars.ContextVar("partition_axis_rules", default=(None, None)))
-
-
-def register_rules_hook(hook: Callable[[AxisRules, AnyMesh | None], Any]) -> None:
-  """Registers ``hook(rules, mesh) -> context manager``, entered by every ``axis_rules``.
-
-  For framework adapters: ``partition._adapt`` registers one that sets flax's rules. A hook
-  registered twice runs once.
-  """
-  if hook not in _HOOKS:
-    _HOOKS.append(hook)
+from partition._scope import current_rules_mesh as current_rules_mesh
 
 
 def as_rules(rules: Any) -> AxisRules:
@@ -71,33 +55,28 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[AxisRules]:
     >>> inner, outer, partition.current_rules()
     (AxisRules([('batch', None)]), AxisRules([('batch', 'data')]), None)
   """
-  old_rules, old_mesh = _STATE.get()
+  old_rules, old_mesh = _scope.RULES.get()
   new_rules = old_rules if rules is None else as_rules(rules)
   new_mesh = old_mesh if mesh is None else current_mesh(mesh, "partition.axis_rules")
-  token = _STATE.set((new_rules, new_mesh))
+  token = _scope.RULES.set((new_rules, new_mesh))
   try:
     with contextlib.ExitStack() as stack:
       if new_rules is not None:
         # Adapters' hooks, e.g. flax's own rules so that nn.with_logical_constraint in
         # existing linen models resolves through the same table.
         hook_mesh = new_mesh if new_mesh is not None else current_mesh()
-        for hook in _HOOKS:
-          stack.enter_context(hook(new_rules, hook_mesh))
+        mapped = _scope.mapped_mesh_axes()
+        for hook in _scope.rules_hooks():
+          stack.enter_context(hook.on_rules(new_rules, hook_mesh))
+          if mapped:  # inside an xmap body: its mapped mesh axes stay dropped
+            stack.enter_context(hook.on_mapped(mapped))
       yield new_rules
   finally:
-    _STATE.reset(token)
+    _scope.RULES.reset(token)
 
 
 def current_rules(rules: Any = None) -> AxisRules | None:
   """``rules`` if given (converted to AxisRules), else the ``axis_rules`` context, else None."""
   if rules is not None:
     return as_rules(rules)
-  return _STATE.get()[0]
-
-
-def current_rules_mesh(mesh: AnyMesh | None = None) -> AnyMesh | None:
-  """``mesh`` if given, else the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh."""
-  if mesh is not None:
-    return current_mesh(mesh)
-  ctx_mesh = _STATE.get()[1]
-  return ctx_mesh if ctx_mesh is not None else current_mesh()
+  return _scope.RULES.get()[0]

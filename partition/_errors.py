@@ -7,7 +7,14 @@ context, one bullet per failing leaf with its keypath, then a fix.
 
 from __future__ import annotations
 
+import difflib
+import reprlib
 from collections.abc import Iterable
+from typing import Any
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
 
 
 class PartitionError(Exception):
@@ -46,11 +53,27 @@ class MeshError(PartitionError, ValueError):
   """No usable mesh, or a mesh that does not match what was asked for."""
 
 
-def did_you_mean(word: str, options: Iterable[str]) -> str:
-  """`` Did you mean 'x'?`` for the closest option, or ``''``."""
-  import difflib
-  close = difflib.get_close_matches(word, [o for o in options if isinstance(o, str)], n=1)
-  return f" Did you mean {close[0]!r}?" if close else ""
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6) -> str:
+  """`` (did you mean 'x'?)`` for the option closest to ``word``, or ``''``.
+
+  The one format of the library's hints; it reads well mid-sentence and at the end. A
+  higher ``cutoff`` (difflib's similarity, 0 to 1) asks for a nearer miss.
+
+  >>> 'no rule for ' + repr('mpl') + did_you_mean('mpl', ['mlp', 'embed'])
+  "no rule for 'mpl' (did you mean 'mlp'?)"
+  """
+  close = difflib.get_close_matches(str(word), [o for o in options if isinstance(o, str)], n=1,
+                                    cutoff=cutoff)
+  return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def short(x: Any) -> str:
+  """A bounded ``repr`` for messages (junk can be huge, deep or self-referential).
+
+  >>> short(list(range(100)))
+  '[0, 1, 2, 3, 4, 5, ...]'
+  """
+  return _REPR.repr(x)
 
 
 def fun_name(fun) -> str:

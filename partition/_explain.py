@@ -22,12 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from partition._config import did_you_mean
 from partition._constrain import NoRulesError
 from partition._context import current_rules, current_rules_mesh
-from partition._errors import format_message
+from partition._errors import did_you_mean, format_message
 from partition._logical_axes import LogicalAxesError, path_str
-from partition._mesh import AnyMesh, axis_sizes, describe
+from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
 from partition._resolve import FIRED, Resolution
 from partition._rules import AxisRules, map_axes_tree
 
@@ -104,6 +103,11 @@ class ExplainReport:
 
 
 def human_bytes(n: int) -> str:
+  """A byte count in binary units, as reports print it.
+
+  >>> human_bytes(512), human_bytes(131072), human_bytes(3 * 2**30)
+  ('512 B', '128.00 KiB', '3.00 GiB')
+  """
   for unit in ("B", "KiB", "MiB", "GiB"):
     if n < 1024 or unit == "GiB":
       return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -114,9 +118,7 @@ def human_bytes(n: int) -> str:
 def _shard_bytes(shape, spec: PartitionSpec, mesh_sizes, itemsize: int) -> int:
   shard = list(shape)
   for i, entry in enumerate(tuple(spec)[:len(shape)]):
-    if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-      continue
-    names = (entry,) if isinstance(entry, str) else entry
+    names = entry_axes(entry)
     shard[i] = -(-shard[i] // math.prod(mesh_sizes.get(a, 1) for a in names))
   return math.prod(shard) * itemsize
 

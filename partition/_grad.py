@@ -49,7 +49,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition import _mesh
+from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import AxisSizeError, PartitionError, SpecError, format_message
+from partition._optim import resolve_param_axes
 from partition._resources import SerialLoop
 from partition._rules import AxisRules, is_axes_leaf
 from partition._specs import Logical, Mean
@@ -136,7 +138,6 @@ class _Config:
   rng_argnums: tuple[int, ...]
 
   def context(self):
-    from partition._context import current_rules, current_rules_mesh
     rules = current_rules(self.rules)
     mesh = current_rules_mesh(self.mesh) if rules is not None else _mesh.current_mesh(self.mesh)
     return rules, mesh
@@ -157,7 +158,6 @@ class _Config:
     return params, batch
 
   def step(self, params, batch, *rest):
-    from partition._context import axis_rules
     rules, mesh = self.context()
     batch_plan = _BatchPlan.build(self, batch, rules, mesh)
     k = batch_plan.k
@@ -338,7 +338,6 @@ def _param_specs(param_axes, params, rules, mesh):
   from its own sharding, else ``None`` (left to propagation)."""
   if rules is None or mesh is None:
     return None
-  from partition._optim import resolve_param_axes
   structure, axes, subtrees = _prefix(
       resolve_param_axes(params, param_axes), params, "param_axes",
       "Give one logical-axes tuple (or None) per parameter, in the params' structure; or "

@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import IO
 
-from partition._errors import PartitionError
+from partition._errors import PartitionError, short
 
 MAX_READ_BYTES = 1 << 20  # 1 MiB: a rules/config file is a few KiB (MaxText's base.yml: 70)
 
@@ -61,12 +61,7 @@ def fspath(path: object, what: str = "path",
         raise error(f"{what} contains a NUL character: {text!r}. Pass a valid file path.")
       return text
   raise error(f"{what} must be a file path (str or pathlib.Path), got "
-              f"{type(path).__name__} {_short(path)}. Pass e.g. 'rules.yaml'.")
-
-
-def _short(x: object) -> str:
-  text = repr(x)
-  return text if len(text) <= 60 else text[:57] + "..."
+              f"{type(path).__name__} {short(path)}. Pass e.g. 'rules.yaml'.")
 
 
 def check_destination(path: str, error: type[Exception] = FileError) -> str:

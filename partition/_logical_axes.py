@@ -114,10 +114,10 @@ def _short(value: Any) -> str:
   shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
   if shape is None or dtype is None:
     return repr(value)
-  return _dtype_shape(dtype, shape)
+  return dtype_shape(dtype, shape)
 
 
-def _dtype_shape(dtype: Any, shape: Sequence[int]) -> str:
+def dtype_shape(dtype: Any, shape: Sequence[int]) -> str:
   if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
     return f"{dtype}[{','.join(map(str, shape))}]"
   d = np.dtype(dtype)
@@ -214,7 +214,12 @@ def leaf_axes(x: Any) -> tuple | None:
 
 
 def path_str(path: tuple) -> str:
-  """A key path as ``a/b/0/c``: the one path format of patterns, reports and errors."""
+  """A key path as ``a/b/0/c``: the one path format of patterns, reports and errors.
+
+  >>> import jax
+  >>> [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path({'a': [{'b': 1}]})[0]]
+  ['a/0/b']
+  """
   parts = []
   for k in path:
     for attr in ("key", "name", "idx"):
@@ -251,6 +256,14 @@ def _t5x_lookup(tables: Mapping[str, Mapping[str, tuple]], path: tuple) -> tuple
   name = path_str(path)
   collection, _, rest = name.partition("/")
   return tables.get(collection, {}).get(rest)
+
+
+def declared_axes(leaf: Any, path: tuple, t5x_tables: Mapping[str, Mapping[str, tuple]]
+                  ) -> tuple | None:
+  """A parameter's own logical axes: its box / Variable metadata, else T5X's ``params_axes``
+  entry for its path (``t5x_tables`` from :func:`_t5x_tables` of the whole tree)."""
+  axes = leaf_axes(leaf)
+  return _t5x_lookup(t5x_tables, path) if axes is None else axes
 
 
 def fit_rank(axes: Any, leaf: Any) -> tuple[Any, tuple[int, ...] | None]:
@@ -317,10 +330,7 @@ def logical_axes(tree: Any) -> Any:
   problems: list[str] = []
 
   def one(path, leaf):
-    axes = leaf_axes(leaf)
-    if axes is None:
-      axes = _t5x_lookup(tables, path)
-    axes, shape = fit_rank(axes, leaf)
+    axes, shape = fit_rank(declared_axes(leaf, path, tables), leaf)
     if shape is not None:
       problems.append(f"{path_str(path) or '<root>'}: logical axes {tuple(axes)} name "
                       f"{len(axes)} dims but the parameter has shape {shape}")
@@ -335,11 +345,6 @@ def logical_axes(tree: Any) -> Any:
             "('embed', 'mlp') for a 2-D kernel; a shorter tuple leaves the trailing dims "
             "replicated."))
   return out
-
-
-def rank_mismatch(axes: Any, leaf: Any) -> tuple[int, ...] | None:
-  """The parameter's shape if ``axes`` names more dims than it has, else None."""
-  return fit_rank(axes, leaf)[1]
 
 
 def unbox(tree: Any) -> Any:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import jax
-from jax.sharding import AbstractMesh, AxisType, Mesh
+from jax.sharding import AbstractMesh, AxisType, Mesh, PartitionSpec
 
 from partition._errors import MeshError
 
@@ -61,3 +62,24 @@ def describe(mesh: AnyMesh | None) -> str:
     return "no mesh"
   kinds = {name: t.name for name, t in zip(mesh.axis_names, mesh.axis_types)}
   return "mesh(" + ", ".join(f"{n}={s} {kinds[n]}" for n, s in mesh.shape.items()) + ")"
+
+
+def entry_axes(entry: Any) -> tuple[str, ...]:
+  """The mesh axes of one ``PartitionSpec`` entry (``None``/``UNCONSTRAINED``: none).
+
+  >>> entry_axes(None), entry_axes('data'), entry_axes(('data', 'fsdp'))
+  ((), ('data',), ('data', 'fsdp'))
+  """
+  if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def axes_entry(axes: Iterable[str]) -> Any:
+  """The ``PartitionSpec`` entry placing a dim on ``axes`` (the inverse of entry_axes).
+
+  >>> axes_entry(()), axes_entry(['data']), axes_entry(['data', 'fsdp'])
+  (None, 'data', ('data', 'fsdp'))
+  """
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes

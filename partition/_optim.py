@@ -32,7 +32,7 @@ from partition import _adapt
 from partition._errors import PartitionError, format_message
 from partition._logical_axes import logical_axes, unbox
 from partition._mesh import AnyMesh
-from partition._path_rules import PathRules
+from partition._path_rules import PathRules, as_path_rules, is_path_table
 
 
 class OptimizerStateError(PartitionError, TypeError):
@@ -53,11 +53,21 @@ def _check_tx(tx: Any, api: str) -> None:
 
 
 def resolve_param_axes(params: Any, param_axes: Any) -> Any:
-  """The parameters' logical-axes tree: declared, a PathRules table, or given directly."""
+  """The parameters' logical-axes tree: declared, a path table, or given directly.
+
+  A path table is a :class:`PathRules` or, as in the adapters' ``param_axes=``, a list of
+  ``(regex, axes)`` pairs (unless the params themselves are a list, whose axes it would be).
+
+  >>> import jax.numpy as jnp
+  >>> params = {'dense': {'kernel': jnp.zeros((4, 8))}}
+  >>> resolve_param_axes(params, [(r'kernel$', ('embed', 'mlp'))])
+  {'dense': {'kernel': ('embed', 'mlp')}}
+  """
   if param_axes is None:
     return logical_axes(params)
-  if isinstance(param_axes, PathRules):
-    return param_axes.axes(params)
+  if isinstance(param_axes, PathRules) or (
+      is_path_table(param_axes) and not isinstance(params, (list, tuple))):
+    return as_path_rules(param_axes).axes(params)
   return param_axes
 
 

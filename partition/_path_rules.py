@@ -37,15 +37,16 @@ from partition._logical_axes import (
   Annotated,
   _graph_state,
   _is_nnx_variable,
-  _t5x_lookup,
   _t5x_tables,
+  declared_axes,
   fit_rank,
   is_param_leaf,
   leaf_axes,
   path_str,
 )
 
-__all__ = ["PathMatch", "PathRules", "PathRulesError", "as_path_rules", "path_str"]
+__all__ = ["PathMatch", "PathRules", "PathRulesError", "as_path_rules", "is_path_table",
+           "path_str"]
 
 AXES_FIX = "Write each entry as (regex, logical_axes), e.g. (r'.*/kernel$', ('embed', 'mlp'))."
 
@@ -72,7 +73,8 @@ class PathMatch:
     matched: ``{path: index of the pattern that matched}``.
     declared: paths whose axes were already declared by the model (and kept).
     unmatched: paths with no declared axes that no pattern matched.
-    unused: patterns that matched no path.
+    unused: patterns that matched no path (a pattern matching a parameter with declared
+      axes has matched it, even when the declared axes win).
     overridden: paths whose declared axes a pattern replaced (``override=True``).
   """
 
@@ -190,14 +192,15 @@ class PathRules:
     tree = _graph_state(tree)
     tables = _t5x_tables(tree)
     matched: dict[str, int] = {}
+    used: set[int] = set()  # a pattern that matches a path has matched, whichever axes win
     declared, unmatched, overridden, problems = [], [], [], []
 
     def one(path, leaf):
       name = path_str(path)
-      own = leaf_axes(leaf)
-      if own is None:
-        own = _t5x_lookup(tables, path)
+      own = declared_axes(leaf, path, tables)
       hit = self.lookup(name)
+      if hit is not None:
+        used.add(hit[0])
       if own is not None and (hit is None or not self.override):
         declared.append(name)
         return fit_rank(own, leaf)[0]
@@ -222,7 +225,6 @@ class PathRules:
           fix="Give those patterns at most one name (or None) per dim, or make them more "
               "specific (anchor with '$', e.g. r'/kernel$') so they skip parameters of other "
               "ranks."))
-    used = set(matched.values())
     unused = tuple(p for i, (p, _) in enumerate(self.pairs) if i not in used)
     return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused,
                      tuple(overridden))
@@ -269,6 +271,17 @@ class PathRules:
       return leaf if is_param_leaf(leaf) else Annotated(leaf, axes)
 
     return jax.tree.map(box, tree, axes_tree, is_leaf=is_param_leaf)
+
+
+def is_path_table(x: Any) -> bool:
+  """True for a non-empty list of ``(regex, logical axes or None)`` pairs.
+
+  >>> is_path_table([(r'kernel$', ('embed', 'mlp'))]), is_path_table([('embed', 'mlp')])
+  (True, False)
+  """
+  return isinstance(x, list) and bool(x) and all(
+      isinstance(e, (tuple, list)) and len(e) == 2 and isinstance(e[0], str)
+      and (e[1] is None or isinstance(e[1], (tuple, list))) for e in x)
 
 
 def as_path_rules(table: Any) -> PathRules | None:

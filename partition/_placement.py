@@ -24,22 +24,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partition import _mesh
 from partition._errors import ResourceError, format_message
+from partition._mesh import axes_entry, entry_axes
 from partition._plan import Plan
 from partition._specs import AxisSpec, Logical
 
 UNCONSTRAINED = PartitionSpec.UNCONSTRAINED
 Entry = Any  # a PartitionSpec entry: None, a mesh axis, a tuple of mesh axes, UNCONSTRAINED
-
-
-def _axes_of(entry: Entry) -> tuple[str, ...]:
-  if entry is None or entry is UNCONSTRAINED:
-    return ()
-  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _entry(axes: Sequence[str]) -> Entry:
-  axes = tuple(axes)
-  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def named_mesh_axes(plan: Plan, spec: AxisSpec) -> set[str]:
@@ -84,7 +74,7 @@ def _check_stated(plan, spec, entries, shape, where, fun) -> None:
   taken = named_mesh_axes(plan, spec)
   problems, seen = [], set()
   for d, entry in enumerate(entries):
-    axes = _axes_of(entry)
+    axes = entry_axes(entry)
     missing = [a for a in axes if a not in sizes]
     if missing:
       problems.append(f"positional dim {d} uses mesh axes {missing} that the mesh "
@@ -127,7 +117,7 @@ def typed_entries(plan: Plan, spec: AxisSpec, pspec: PartitionSpec, ndim: int
   named dims now take."""
   taken = named_mesh_axes(plan, spec)
   full = tuple(pspec) + (None,) * (ndim - len(pspec))
-  return tuple(_entry([a for a in _axes_of(full[d]) if a not in taken])
+  return tuple(axes_entry([a for a in entry_axes(full[d]) if a not in taken])
                for d in range(ndim) if d not in spec.dims)
 
 

@@ -38,7 +38,7 @@ def reduced_dtype(dtype):
                         jax.ShapeDtypeStruct((1,), dtype)).dtype
 
 
-class Tracer:
+class BodyTracer:
   """State of one trace: the plan, the user function, and what it returned."""
 
   def __init__(self, plan: Plan, fun: Callable, fun_name: str, in_treedef: Any, out_axes: Any,
@@ -265,7 +265,7 @@ def split_inputs(plan: Plan, leaves, specs) -> tuple[list[Any], list[tuple[Label
   return out, labels
 
 
-def merge_outputs(tracer: Tracer, outs: Sequence[Any]) -> list[Any]:
+def merge_outputs(tracer: BodyTracer, outs: Sequence[Any]) -> list[Any]:
   """Merges each named axis' sub-dims back into one dim and finishes ``Mean``."""
   result = []
   for j, x in enumerate(outs):

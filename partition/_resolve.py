@@ -25,13 +25,15 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from partition._config import Resource, RulesError, Value, did_you_mean
-from partition._errors import format_message
+from partition._config import Resource, RulesError, Value
+from partition._errors import did_you_mean, format_message
+from partition._mesh import axes_entry
 from partition._resources import SerialLoop
 
 FIRED = "fired"
 USED = "mesh axis already used"
 INDIVISIBLE = "not divisible"
+TYPO_CUTOFF = 0.8  # 'tensr'/'tensor' 0.91, 'dta'/'data' 0.86; 'sequence'/'tensor_sequence' 0.70
 
 
 class ResolutionError(RulesError):
@@ -110,8 +112,7 @@ def _show(value: Value) -> str:
 def _entry(d: DimResolution):
   if not isinstance(d.logical, str):
     return d.logical  # None or PartitionSpec.UNCONSTRAINED pass through, as in flax
-  axes = tuple(r for r in d.resources or () if isinstance(r, str))
-  return None if not axes else axes[0] if len(axes) == 1 else axes
+  return axes_entry(r for r in d.resources or () if isinstance(r, str))
 
 
 class _Dim:
@@ -153,9 +154,13 @@ def resolve(
       outcome, detail, kept, missing, claimed = _try(value, dim, used, mesh_sizes, loops,
                                                      named_loops or {})
       dim.attempts.append(Attempt(r, value, outcome, detail))
-      if missing and strict:
-        problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
-                     f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in missing]
+      # A missing axis that is a near-miss of one the mesh has ('tensr', 'dta') cannot be
+      # intended: an error even without strict. Others act as size-1 axes (as in flax), so
+      # MaxText's table ('tensor_sequence' beside 'sequence') works on smaller meshes.
+      reported = missing if strict else [
+          a for a in missing if did_you_mean(a, mesh_sizes or (), cutoff=TYPO_CUTOFF)]
+      problems += [f"dim {dim.index} {name!r}: rule #{r} names {a!r}, which is not a mesh "
+                   f"axis{did_you_mean(a, list(mesh_sizes or ()))}" for a in reported]
       if outcome == FIRED:
         dim.resources, dim.done = kept, True
         # Every axis the rule names counts as used (size 1 and absent ones too), as in flax.
@@ -163,6 +168,12 @@ def resolve(
   if strict:
     problems += _strict_problems(pairs, dims, mesh_sizes)
   if problems:
+    if not strict:
+      raise ResolutionError(format_message(
+          f"Resolution of logical axes {tuple(names)} failed: a rule names a mesh axis the "
+          "mesh does not have:",
+          context=[f"mesh axes: {dict(mesh_sizes)}"], bullets=problems,
+          fix="Fix the mesh axis name in the rule table (or add that axis to the mesh)."))
     raise ResolutionError(format_message(
         f"Strict resolution of logical axes {tuple(names)} failed:",
         context=[f"mesh axes: {dict(mesh_sizes)}" if mesh_sizes is not None else "no mesh"],

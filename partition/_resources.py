@@ -15,7 +15,7 @@ import operator
 import threading
 from collections.abc import Iterator
 
-from partition._errors import ResourceError, format_message
+from partition._errors import ResourceError, format_message, short
 
 # A loop runs one chunk per iteration inside one program; more than a million sequential
 # micro-batches is a typo (and would trace a scan of that length), not a plan.
@@ -26,7 +26,7 @@ def loop_length_problem(length: object) -> str | None:
   """Why ``length`` is not a valid loop length (a positive int <= MAX_LOOP_LENGTH), or None."""
   if isinstance(length, bool) or not _is_int(length):
     return (f"a loop length is a positive int, got {type(length).__name__} "
-            f"{_short(length)}")
+            f"{short(length)}")
   if not 1 <= operator.index(length) <= MAX_LOOP_LENGTH:
     return (f"a loop length must be a positive int, at most {MAX_LOOP_LENGTH}; got "
             f"{operator.index(length)}")
@@ -39,11 +39,6 @@ def _is_int(x: object) -> bool:
   except TypeError:
     return False
   return True
-
-
-def _short(x: object) -> str:
-  text = repr(x)
-  return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +59,7 @@ class SerialLoop:
   def __post_init__(self):
     if loop_length_problem(self.length):
       raise ResourceError(
-          f"SerialLoop(length) takes a positive int, got {_short(self.length)} (at most "
+          f"SerialLoop(length) takes a positive int, got {short(self.length)} (at most "
           f"{MAX_LOOP_LENGTH} iterations). Use e.g. SerialLoop(4) for four sequential "
           "micro-batches.")
     object.__setattr__(self, "length", operator.index(self.length))  # numpy int -> int
@@ -100,13 +95,13 @@ def serial_loop(name: str, length: int) -> Iterator[None]:
   problems = []
   if not isinstance(name, str) or not name.strip():
     problems.append(f"name: a loop name is a non-empty str, got {type(name).__name__} "
-                    f"{_short(name)}")
+                    f"{short(name)}")
   length_problem = loop_length_problem(length)
   if length_problem:
     problems.append(f"length: {length_problem}")
   if problems:
     raise ResourceError(format_message(
-        f"serial_loop(name, length) got {_short(name)}, {_short(length)}:", bullets=problems,
+        f"serial_loop(name, length) got {short(name)}, {short(length)}:", bullets=problems,
         fix="Write e.g. `with partition.serial_loop('micro', 4):` and name 'micro' in "
             "axis_resources or in the rules."))
   length = operator.index(length)

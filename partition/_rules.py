@@ -31,6 +31,7 @@ import dataclasses
 import functools
 import operator
 import os
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,11 +40,13 @@ from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 from partition import _config
 from partition._config import Resource, RulesError, RulesTypeError, Value, short
-from partition._errors import MeshError, format_message
+from partition._errors import MeshError, did_you_mean, format_message
 from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, axis_sizes
 from partition._resolve import Resolution, resolve
 from partition._resources import SerialLoop, named_loops
+from partition._scope import current_rules_mesh
+from partition._warnings import PartitionWarning
 
 LogicalAxes = Sequence[str | None] | None
 
@@ -179,7 +182,7 @@ class AxisRules:
         ``[]`` meaning replicated). Other keys of the file are then ignored.
 
     Raises:
-      ConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
+      RulesConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
         twice, nesting deeper than 64 levels, unknown keys, malformed entries.
     """
     return cls(_config.load(path, format=format, key=key)["rules"])
@@ -345,9 +348,29 @@ class AxisRules:
     _check_mesh(mesh, api)
     _check_flag(strict, "strict", api)
     names, size_list = _check_xmap_names(names, sizes, api)
+    loops = named_loops()
     res = resolve(self.pairs, names, size_list, None if mesh is None else dict(
-        axis_sizes(mesh)), strict=strict, loops=True, named_loops=named_loops())
+        axis_sizes(mesh)), strict=strict, loops=True, named_loops=loops)
+    if mesh is not None:
+      _warn_absent_axes(res, mesh, loops)
     return {d.logical: tuple(d.resources or ()) for d in res.dims}
+
+
+def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) -> None:
+  """An xmap axis whose rule names mesh axes the mesh lacks runs on fewer devices than the
+  rule asks for: say so (a typo of a mesh axis is an error in ``resolve`` already)."""
+  sizes = axis_sizes(mesh)
+  for d in res.dims:
+    for a in d.attempts:
+      absent = [r for r in a.value or () if isinstance(r, str) and r not in sizes
+                and r not in loops]
+      if a.outcome == "fired" and absent:
+        warnings.warn(format_message(
+            f"xmap axis {d.logical!r}: rule #{a.rule} places it on mesh axes "
+            f"{tuple(absent)} that the mesh lacks, so it is not split over them.",
+            context=[f"mesh axes: {dict(sizes)}"],
+            fix="Add those axes to the mesh (size 1 says they are unused on purpose), or "
+                "drop them from the rule."), PartitionWarning, stacklevel=7)
 
 
 # -- argument checks ----------------------------------------------------------------------------
@@ -476,7 +499,7 @@ def check_partition_spec(spec: PartitionSpec, shape: Any, mesh: AnyMesh | None,
       seen.setdefault(a, i)
       if sizes is not None and a not in sizes:
         problems.append(f"entry {i}: {a!r} is not a mesh axis"
-                        f"{_config.did_you_mean(a, list(sizes))}; the mesh has "
+                        f"{did_you_mean(a, list(sizes))}; the mesh has "
                         f"{tuple(sizes)}")
   dims, shape_problems = _shape_problems(shape)
   problems += shape_problems
@@ -535,8 +558,6 @@ def _size(v: Any) -> int | None:
 
 
 def _need_mesh(mesh: AnyMesh | None, api: str) -> AnyMesh:
-  from partition._context import current_rules_mesh  # the context module imports this one
-
   _check_mesh(mesh, api)
   found = current_rules_mesh(mesh)
   if found is None:

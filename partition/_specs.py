@@ -124,7 +124,12 @@ class Reduction:
       if not isinstance(n, str):
         raise SpecError(f"{type(self).__name__} takes axis names (str), got {n!r}.")
     if len(set(names)) != len(names):
-      raise AxisNameError(f"{type(self).__name__}{names} names an axis twice.")
+      kind = type(self).__name__
+      twice = sorted({n for n in names if names.count(n) > 1})
+      raise AxisNameError(
+          f"{kind}{names} names axis {twice[0]!r} twice. Name each axis to reduce once: "
+          f"{kind}({', '.join(map(repr, dict.fromkeys(names)))}) (reducing an axis twice is not defined; to "
+          f"scale the result, multiply it).")
     object.__setattr__(self, "names", tuple(names))
     object.__setattr__(self, "axes", {} if axes is None else axes)
     spec = parse_leaf(self.axes, "out_axes")

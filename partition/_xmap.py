@@ -39,7 +39,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition import _mesh, _placement
+from partition import _mesh, _placement, _scope
+from partition._context import current_rules
 from partition._errors import (
   AxisNameError,
   AxisSizeError,
@@ -50,6 +51,7 @@ from partition._errors import (
   did_you_mean,
   format_message,
   fun_name,
+  short,
 )
 from partition._plan import (
   Plan,
@@ -59,7 +61,7 @@ from partition._plan import (
   infer_sizes,
   normalize_resources,
 )
-from partition._program import Tracer, merge_outputs, split_inputs
+from partition._program import BodyTracer, merge_outputs, split_inputs
 from partition._resources import named_loops
 from partition._specs import (
   AxisSpec,
@@ -170,11 +172,18 @@ class XMapped:
           f"xmap({self._name}): the arguments are not a valid pytree: {e}",
           fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
     mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
+    if isinstance(self._mesh, jax.sharding.AbstractMesh) and (
+        jax.sharding.get_abstract_mesh().empty):
+      raise MeshError(format_message(
+          f"xmap({self._name}): mesh= is an AbstractMesh, which has no devices to run on.",
+          context=[f"mesh=: {_mesh.describe(self._mesh)}"],
+          fix="Pass a concrete mesh (jax.make_mesh(shape, names)), or call the xmap under "
+              "`with jax.set_mesh(mesh):` with a concrete mesh of the same shape."))
     rules = self._rules()
     key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
     hit = self._cache.get(key)
     if hit is None:
-      _check_call(leaves, len(args), self._donate, self._name)
+      _check_call(args, len(args), self._donate, self._name)
       _check_context_mesh(self._mesh, self._name)
       leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
       plan = self._plan(leaves, specs, paths, mesh)
@@ -188,7 +197,6 @@ class XMapped:
       return self._axis_resources
     if not self._uses_logical:
       return None
-    from partition._context import current_rules
     return current_rules()
   def _plan(self, leaves, specs, paths, mesh) -> Plan:
     names = self._in_names
@@ -236,7 +244,7 @@ class XMapped:
     def traced(leaves, in_region, typed=None):
       _check_not_shadowing(plan, name)
       constrain = _constrainer(mesh)
-      tracer = Tracer(plan, self._fun, name, in_treedef, self._out_axes, state_outputs,
+      tracer = BodyTracer(plan, self._fun, name, in_treedef, self._out_axes, state_outputs,
                       constrain if has_mesh else None)
       if has_mesh:
         typed = typed or [None] * len(leaves)
@@ -248,6 +256,10 @@ class XMapped:
           outs = tracer.run(0, split, labels)
       except NameError as e:
         raise _unbound_name_error(e, plan, name, self._in_names) from None
+      except ValueError as e:
+        if "cannot appear in with_sharding_constraint" not in str(e):
+          raise
+        raise _mapped_axis_constraint_error(e, plan, name) from e
       except AssertionError as e:
         error = _collective_assertion(e, name)
         if error is e:
@@ -373,20 +385,22 @@ def _check_context_mesh(mesh, name: str) -> None:
             "use the context mesh."))
 
 
-def _check_call(leaves, n_args: int, donate, name) -> None:
+def _check_call(args, n_args: int, donate, name) -> None:
   """Checks what jax.jit would reject with less context: donated positions must exist and
-  leaves must be arrays."""
+  leaves must be arrays (each bad leaf named by its keypath, e.g. ``argument[1]['k']``)."""
   out_of_range = [d for d in donate if d >= n_args]
   if out_of_range:
     raise SpecError(f"xmap({name}): donate_argnums {out_of_range} is out of range for a call "
                     f"with {n_args} positional arguments; count arguments from 0.")
-  bad = [type(x).__name__ for x in leaves
+  bad = [f"argument{jax.tree_util.keystr(path)} is {type(x).__name__} {short(x)}"
+         for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
          if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
              x, (int, float, complex, bool, np.number, np.bool_))]
   if bad:
     raise SpecError(format_message(
-        f"xmap({name}): arguments must be arrays (or pytrees of arrays), got leaves of "
-        f"type {sorted(set(bad))}.",
+        f"xmap({name}): arguments must be arrays (or pytrees of arrays); "
+        f"{len(bad)} leaf(s) are not:",
+        bullets=bad,
         fix="Convert them with jnp.asarray, or close over non-array values in the function."))
 
 
@@ -430,6 +444,11 @@ def _in_sharding(plan: Plan, x, spec: AxisSpec, stated) -> NamedSharding | None:
       return None
     typed = jax.typeof(x).sharding
     return NamedSharding(plan.mesh, typed.spec if not typed.mesh.empty else PartitionSpec())
+  if isinstance(plan.mesh, jax.sharding.AbstractMesh):
+    # Under an eager transformation (grad, vmap) of a jax.set_mesh block only the abstract
+    # mesh is visible; a concrete argument then goes in as it is, and the constraints in
+    # the program place it (as for a traced one).
+    return None
   if stated is None and getattr(x, "committed", True):
     stated = _placement.inherited_entries(plan, spec, x)
   spec = _placement.full_spec(plan, spec, np.ndim(x), stated, default=None)
@@ -452,6 +471,26 @@ def _constrain_input(plan: Plan, x, spec: AxisSpec, stated, typed, constrain):
     stated = _placement.typed_entries(plan, spec, typed, np.ndim(x))
   full = _placement.full_spec(plan, spec, np.ndim(x), stated)
   return x if _placement.is_trivial(full) else constrain(x, full)
+
+
+def _mapped_axis_constraint_error(e: ValueError, plan: Plan, name: str) -> ResourceError:
+  """A constraint in the body names a mesh axis this xmap maps (a hard-coded
+  ``PartitionSpec``; logical constraints drop such axes by themselves)."""
+  text = str(e).splitlines()[0]
+  spec = re.search(r"got spec (P\(.*\))", text)
+  axes = re.search(r"spmd_axis_name (\(.*?\))", text)
+  mapped = ", ".join(f"{m!r} (axis {n!r})" for n, ax in plan.axes.items() for m in ax.mesh_axes)
+  return ResourceError(format_message(
+      f"xmap({name}): a sharding constraint in the function names mesh axes "
+      f"{axes.group(1) if axes else ''} that this xmap maps its named axes to.",
+      context=[f"constraint: with_sharding_constraint(x, {spec.group(1) if spec else '?'})",
+               f"mapped mesh axes: {mapped}",
+               "Inside the body each call sees one slice of those axes; the constraint cannot "
+               "place a dim on them."],
+      fix="Constrain by logical name (partition.constrain or nn.with_logical_constraint: "
+          "mapped mesh axes are dropped there), drop those axes from the PartitionSpec, or "
+          "train with partition.value_and_grad, which splits the batch by rules instead of "
+          "a named xmap axis."))
 
 
 def _explicit_closure_error(name: str, mesh) -> MeshError:
@@ -540,8 +579,13 @@ class _tracing:
     _enclosing.axes = self.saved[0] + self.axes
     _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
     _enclosing.mesh = self.mesh or self.saved[2]
+    # Constraints in the body (partition.constrain, flax's nn.with_logical_constraint)
+    # drop the mesh axes this body maps: JAX rejects them there, and xmap places that dim.
+    self.mapping = _scope.mapping(frozenset(self.mesh_axes))
+    self.mapping.__enter__()
 
   def __exit__(self, *exc):
+    self.mapping.__exit__(*exc)
     _enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh = self.saved
 
 
@@ -587,7 +631,7 @@ def _unbound_name_error(e: NameError, plan: Plan, name: str, defined: Sequence[s
   hint = did_you_mean(axis, list(defined) + list(_enclosing.axes))
   return AxisNameError(format_message(
       f"xmap({name}): a collective (psum, pmean, all_gather, axis_index, ...) refers to axis "
-      f"{axis!r}, which no enclosing xmap or vmap binds.{hint}",
+      f"{axis!r}, which no enclosing xmap or vmap binds{hint}.",
       context=[f"axes of this xmap: {list(defined)}"]
               + ([f"axes of enclosing xmaps: {list(_enclosing.axes)}"] if _enclosing.axes
                  else []),

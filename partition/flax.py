@@ -22,7 +22,6 @@ Stock modules you cannot edit get axes from :func:`with_axes` or a path table
 from __future__ import annotations
 
 import contextlib
-import difflib
 import functools
 import sys
 from collections.abc import Iterator, Mapping
@@ -34,7 +33,7 @@ from flax.core import meta
 
 from partition import _adapt
 from partition._constrain import constrain
-from partition._errors import format_message
+from partition._errors import did_you_mean, format_message
 from partition._explain import ExplainReport
 from partition._logical_axes import LogicalAxesError
 from partition._mesh import AnyMesh
@@ -70,7 +69,7 @@ def _abstract(api: str, module: nn.Module, rngs: Any, args: tuple, init_kwargs: 
   _check_module(module, api)
   _adapt.check_rngs(rngs, api)
   init = functools.partial(module.init, **init_kwargs)
-  with _adapt.rules_context(rules, mesh):
+  with _adapt.axis_rules(rules, mesh):
     shapes = jax.eval_shape(init, rngs, *args)
   axes, path_match = _adapt.match_axes(shapes, param_axes)
   return shapes, axes, path_match
@@ -152,20 +151,11 @@ def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
   Explicit mesh axes: for flax's own calls use an Auto mesh. ``partition.constrain`` works
   with both.
   """
-  with _adapt.rules_context(_adapt.current_rules(rules), mesh) as found:
+  with _adapt.axis_rules(_adapt.current_rules(rules), mesh) as found:
     yield found
 
 
 # -- giving stock modules logical axes --------------------------------------------------------
-
-
-def _check_rank(value: Any, axes: Axes, where: str) -> None:
-  shape = getattr(value, "shape", None)
-  if shape is not None and len(shape) < len(axes):
-    raise LogicalAxesError(
-        f"with_axes: {where} has shape {tuple(shape)} but was given logical axes {axes} "
-        f"({len(axes)} dims). Give at most one logical name (or None) per dim (a shorter "
-        "tuple leaves the trailing dims replicated, as in flax).")
 
 
 def _boxed_init(init_fn, axes: Axes, where: str):
@@ -174,7 +164,7 @@ def _boxed_init(init_fn, axes: Axes, where: str):
     value = init_fn(*args, **kwargs)
     if isinstance(value, meta.AxisMetadata):  # the decorator's axes win
       value = value.unbox(apply_constraint=False)
-    _check_rank(value, axes, where)
+    _adapt.check_axes_rank(getattr(value, "shape", None), axes, f"with_axes: {where}")
     return nn.LogicallyPartitioned(value, axes)
   return init
 
@@ -191,9 +181,7 @@ def _check_names(cls: type, table: Mapping[str, Axes], params: Mapping[str, Any]
           f"sub-module's class with with_axes, or give its params axes by path, e.g. "
           f"param_axes=partition.PathRules([(r'{n}/kernel$', (...))])")
     elif n not in created:
-      close = difflib.get_close_matches(n, created, n=1)
-      problems.append(f"{n!r}" + (f" (did you mean {close[0]!r}?)" if close else "")
-                      + f" is not a param of {cls.__name__}")
+      problems.append(f"{n!r}{did_you_mean(n, created)} is not a param of {cls.__name__}")
   if problems:
     raise LogicalAxesError(format_message(
         f"with_axes({cls.__name__}): params= names {len(problems)} entry(ies) that "

@@ -22,7 +22,6 @@ P('data', 'tensor')
 
 from __future__ import annotations
 
-import difflib
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -33,6 +32,7 @@ from flax import nnx
 from partition import _adapt
 from partition._constrain import constrain
 from partition._context import current_rules, current_rules_mesh
+from partition._errors import did_you_mean
 from partition._explain import ExplainReport
 from partition._logical_axes import LogicalAxesError
 from partition._mesh import AnyMesh
@@ -66,11 +66,22 @@ def _check_init_fn(init_fn: Any, api: str) -> None:
         "rngs=nnx.Rngs(0)).")
 
 
+def _returned(value: Any) -> str:
+  if hasattr(value, "shape") and hasattr(value, "dtype"):  # eval_shape's view of an array
+    return f"an array (dtype {value.dtype}, shape {tuple(value.shape)})"
+  return _adapt.describe_value(value)
+
+
 def _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes):
   """``(graphdef, state, axes, PathMatch, rules)``; rules gain NNX's mesh-axis pass-through."""
   _check_init_fn(init_fn, api)
-  with _adapt.rules_context(rules, mesh):
+  with _adapt.axis_rules(rules, mesh):
     model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
+  if not isinstance(model, nnx.Module):
+    raise _adapt.AdapterTypeError(
+        f"{api}: init_fn must return an NNX Module, but {_adapt.describe_value(init_fn)} "
+        f"returned {_returned(model)}. Return the module it builds, e.g. "
+        "lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)).")
   graphdef, state = nnx.split(model)
   axes, path_match = _adapt.match_axes(state, param_axes)
   return graphdef, state, axes, path_match, _adapt.passthrough_rules(rules, mesh)
@@ -172,11 +183,7 @@ def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
     if not isinstance(var, nnx.Variable):
       raise _unknown_variable(cls, name, created)
     shape = getattr(var.get_value(), "shape", ())
-    if len(shape) < len(axes):
-      raise LogicalAxesError(
-          f"with_axes({cls.__name__}): Variable {name!r} has shape {tuple(shape)} but was "
-          f"given logical axes {axes} ({len(axes)} dims). Give at most one name (or None) "
-          "per dim (a shorter tuple leaves the trailing dims replicated).")
+    _adapt.check_axes_rank(shape, axes, f"with_axes({cls.__name__}): Variable {name!r}")
     var.set_metadata("out_sharding", axes)
     if nnx.using_eager_sharding() and current_rules() is not None and (
         current_rules_mesh() is not None):
@@ -184,8 +191,7 @@ def _set_axes(module: nnx.Module, cls: type, table: Mapping[str, Axes]) -> None:
 
 
 def _unknown_variable(cls: type, name: str, created: list[str]) -> LogicalAxesError:
-  close = difflib.get_close_matches(name, created, n=1)
-  hint = f" (did you mean {close[0]!r}?)" if close else ""
+  hint = did_you_mean(name, created)
   return LogicalAxesError(
       f"with_axes({cls.__name__}): params= names {name!r}{hint}, which is not a Variable "
       f"of {cls.__name__}; its Variables are {created}. Use those names.")

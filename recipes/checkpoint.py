@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
 import partition
-from partition._logical_axes import path_str as path_of
+from partition import path_str as path_of
 
 
 def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:

@@ -24,8 +24,8 @@ from typing import Any
 import yaml
 
 import layers
-from partition import PartitionError
-from partition._errors import did_you_mean, format_message
+from partition import PartitionError, format_message
+from recipes._hints import did_you_mean
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 PRESETS = pathlib.Path(__file__).resolve().parent / "presets"

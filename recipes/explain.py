@@ -231,7 +231,7 @@ def plan(config, *, compile: bool = True,
 
 
 def _human(n: int) -> str:
-  from partition._explain import human_bytes
+  from partition import human_bytes
   return human_bytes(n)
 
 

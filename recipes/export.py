@@ -120,7 +120,7 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
     The JSON document written (``model``, ``framework``, ``step``, ``weights``).
   """
   import layers
-  from partition._io import atomic_write
+  from partition import atomic_write
 
   out = pathlib.Path(out)
   params, meta, step = restore_params(directory, step)

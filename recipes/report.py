@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from partition._io import atomic_write
+from partition import atomic_write
 
 
 def write_json(path: pathlib.Path, obj: Any) -> None:

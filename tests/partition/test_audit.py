@@ -25,11 +25,12 @@ RULES = partition.AxisRules([("embed", "fsdp"), ("mlp", "tensor"), ("kv", None)]
 
 
 def run(tree, axes, mesh, rules=RULES, **kw):
+  """The PartitionWarnings (ReplicatedWarning is one) of one audit."""
   specs = rules.tree_specs(axes, tree, mesh)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     audit_placement(tree, axes, specs, rules, mesh, api="api", **kw)
-  return [w for w in caught if issubclass(w.category, partition.ReplicatedWarning)]
+  return [w for w in caught if issubclass(w.category, partition.PartitionWarning)]
 
 
 def test_sharded_tree_is_silent(mesh):
@@ -44,23 +45,65 @@ def test_one_warning_lists_big_replicated_params_with_bytes(mesh):
   axes = {"a": {"w": ("embd", "kv")}, "b": {"w": None}, "scale": None,
           "ok": ("embed", "mlp")}
   caught = run(tree, axes, mesh, strict=False)
-  assert len(caught) == 1
-  text = str(caught[0].message)
-  # total bytes per device of the replicated leaves: 128 KiB + 64 KiB + 512 B
-  assert text.startswith("api: 3 parameter(s) are fully replicated on 8 devices, "
-                         "192.50 KiB per device:")
-  assert "a/w f32[256,128] ('embd', 'kv'): no rule for 'embd' (did you mean 'embed'?)" in text
+  replicated = [w for w in caught if w.category is partition.ReplicatedWarning]
+  fallbacks = [w for w in caught if w.category is partition.PartitionWarning]
+  assert len(replicated) == 1 and len(fallbacks) == 1
+  text = str(replicated[0].message)
+  # parameters without logical axes, bytes per device: 64 KiB + 512 B
+  assert text.startswith("api: 2 parameter(s) are fully replicated on 8 devices, "
+                         "64.50 KiB per device:")
   assert "b/w f32[128,128]: no logical axes" in text
-  assert "ok" not in text.replace("Look", "")
+  assert "a/w" not in text and "ok" not in text.replace("Look", "")
   assert "pass strict=True" in text
+  # the named one gets its own warning, with the cause and the fix ('kv' has a null rule)
+  assert str(fallbacks[0].message) == (
+      "api: logical axis 'embd' has no rule (did you mean 'embed'?), so a/w dim 0 is "
+      "replicated.\nAdd a rule for 'embd' (a null rule, e.g. ['embd', null], replicates it "
+      "on purpose and silences this), or fix the name.")
 
 
-def test_small_replicated_params_do_not_warn(mesh):
+def test_small_replicated_params_do_not_warn_but_fallbacks_do_whatever_the_size(mesh):
   tree = {"bias": sds(512), "scale": sds(512)}
-  assert run(tree, {"bias": None, "scale": ("embd",)}, mesh, strict=False) == []
+  caught = run(tree, {"bias": None, "scale": ("embd",)}, mesh, strict=False)
+  assert [w.category for w in caught] == [partition.PartitionWarning]
+  assert "logical axis 'embd' has no rule" in str(caught[0].message)
   big = {"w": jax.ShapeDtypeStruct((WARN_BYTES // 4,), jnp.float32)}
   assert len(run(big, {"w": None}, mesh, strict=False)) == 1
   assert run(big, {"w": None}, mesh, strict=False, warn_bytes=WARN_BYTES + 1) == []
+
+
+def test_null_rules_replicate_on_purpose_and_warn_nothing(mesh):
+  """The data_parallel preset: every parameter name has a null rule."""
+  rules = partition.AxisRules([("batch", "fsdp"), ("embed", None), ("mlp", None)])
+  tree = {f"layer{i}": {"w": sds(256, 512)} for i in range(20)}
+  axes = {f"layer{i}": {"w": ("embed", "mlp")} for i in range(20)}
+  assert run(tree, axes, mesh, rules=rules, strict=False) == []
+
+
+def test_indivisible_dim_warns_once_per_cause(mesh):
+  tree = {"a": sds(6, 8), "b": sds(6, 8), "c": sds(10, 8)}
+  axes = {"a": ("embed", "mlp"), "b": ("embed", "mlp"), "c": ("embed", "mlp")}
+  caught = run(tree, axes, mesh, strict=False)
+  texts = sorted(str(w.message) for w in caught)
+  assert len(texts) == 2, texts  # sizes 6 and 10 are two causes; a and b share one
+  assert texts[0].startswith("api: a dim 0 'embed' (size 6) is "
+                             "replicated: no rule for it divides the dim (rule #0: size 6, "
+                             "needs a multiple of 4) (and 1 more array(s) for the same reason)")
+  assert "Pad the dim" in texts[0] and "c dim 0 'embed' (size 10)" in texts[1]
+
+
+def test_unused_path_pattern_is_an_error_without_strict(mesh):
+  table = partition.PathRules([(r"^w$", ("embed", "mlp")), (r"^gone$", None)])
+  tree = {"w": sds(256, 256)}
+  match = table.match(tree)
+  specs = RULES.tree_specs(match.axes, tree, mesh)
+  with pytest.raises(partition.PlacementError) as info:
+    audit_placement(tree, match.axes, specs, RULES, mesh, api="api", strict=False,
+                    path_match=match)
+  message = str(info.value)
+  assert "api: 1 problem(s) in the placement of the parameters:" in message
+  assert "* path pattern '^gone$' matches no parameter" in message
+  assert "Fix or remove the path patterns that match nothing" in message
 
 
 def test_single_device_mesh_never_warns():

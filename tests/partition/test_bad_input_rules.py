@@ -22,8 +22,8 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from partition import AxisRules, ConfigError, MeshError, ResourceError, RulesError, SerialLoop
-from partition._config import ConfigTypeError, RulesTypeError
+from partition import AxisRules, RulesConfigError, MeshError, ResourceError, RulesError, SerialLoop
+from partition._config import RulesConfigTypeError, RulesTypeError
 from partition._io import FileError, atomic_write, read_bytes
 from partition._rules import is_axes_leaf
 
@@ -52,7 +52,7 @@ def keep(tmp_path):
 ])
 def test_to_file_bad_format_leaves_the_file_byte_identical(keep, kwargs, match):
   before = keep.read_bytes()
-  with pytest.raises(ConfigError, match=match):
+  with pytest.raises(RulesConfigError, match=match):
     RULES.to_file(keep, **kwargs)
   assert keep.read_bytes() == before
   assert sorted(os.listdir(keep.parent)) == ["keep.yaml"]
@@ -61,16 +61,16 @@ def test_to_file_bad_format_leaves_the_file_byte_identical(keep, kwargs, match):
 def test_to_file_unknown_extension_leaves_the_file(tmp_path):
   notes = tmp_path / "notes.txt"
   notes.write_text("my notes\n")
-  with pytest.raises(ConfigError, match=r"(?s)from its extension '.txt'.*format='yaml'"):
+  with pytest.raises(RulesConfigError, match=r"(?s)from its extension '.txt'.*format='yaml'"):
     RULES.to_file(notes)
   assert notes.read_text() == "my notes\n"
 
 
 def test_to_file_missing_directory_and_directory_path(tmp_path):
-  with pytest.raises(ConfigError, match=r"the directory .*nope' does not exist\. Create it"):
+  with pytest.raises(RulesConfigError, match=r"the directory .*nope' does not exist\. Create it"):
     RULES.to_file(tmp_path / "nope" / "r.yaml")
   (tmp_path / "d.yaml").mkdir()
-  with pytest.raises(ConfigError, match=r"it is a directory\. Pass a file name inside it"):
+  with pytest.raises(RulesConfigError, match=r"it is a directory\. Pass a file name inside it"):
     RULES.to_file(tmp_path / "d.yaml")
 
 
@@ -81,7 +81,7 @@ def test_to_file_failure_mid_write_keeps_the_old_file(keep, monkeypatch):
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(os, "replace", broken_replace)
-  with pytest.raises(ConfigError, match=r"No space left on device\. The old file .* unchanged"):
+  with pytest.raises(RulesConfigError, match=r"No space left on device\. The old file .* unchanged"):
     RULES.to_file(keep)
   assert keep.read_bytes() == before
   assert sorted(os.listdir(keep.parent)) == ["keep.yaml"]  # no temporary file left
@@ -127,9 +127,9 @@ def test_atomic_write_helpers(tmp_path):
 
 @pytest.mark.parametrize("path", [None, 3, 2.5, ["r.yaml"]])
 def test_from_file_path_of_wrong_type(path):
-  with pytest.raises(ConfigTypeError, match=r"must be a file path .*got " + type(path).__name__):
+  with pytest.raises(RulesConfigTypeError, match=r"must be a file path .*got " + type(path).__name__):
     AxisRules.from_file(path)
-  assert issubclass(ConfigTypeError, TypeError) and issubclass(ConfigTypeError, ConfigError)
+  assert issubclass(RulesConfigTypeError, TypeError) and issubclass(RulesConfigTypeError, RulesConfigError)
 
 
 def test_from_file_bytes_path_equals_str_path(tmp_path):
@@ -138,11 +138,11 @@ def test_from_file_bytes_path_equals_str_path(tmp_path):
 
 
 def test_from_file_directory_and_too_large(tmp_path):
-  with pytest.raises(ConfigError, match=r"Cannot read rules file .*Is a directory"):
+  with pytest.raises(RulesConfigError, match=r"Cannot read rules file .*Is a directory"):
     AxisRules.from_file(tmp_path, format="yaml")
   big = tmp_path / "big.yaml"
   big.write_text("rules: []\n" + "#" * (1 << 20))
-  with pytest.raises(ConfigError, match=r"larger than 1048576 bytes"):
+  with pytest.raises(RulesConfigError, match=r"larger than 1048576 bytes"):
     AxisRules.from_file(big)
 
 
@@ -159,7 +159,7 @@ def test_from_file_directory_and_too_large(tmp_path):
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else "-")
 def test_duplicate_keys_are_errors_with_lines(tmp_path, name, text, match):
   (tmp_path / name).write_text(text)
-  with pytest.raises(ConfigError, match=match):
+  with pytest.raises(RulesConfigError, match=match):
     AxisRules.from_file(tmp_path / name)
 
 
@@ -179,7 +179,7 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else "-")
 def test_deep_nesting_is_a_clear_error_not_recursion(tmp_path, name, text):
   (tmp_path / name).write_text(text)
-  with pytest.raises(ConfigError, match=r"nested (more deeply than Python can parse|more "
+  with pytest.raises(RulesConfigError, match=r"nested (more deeply than Python can parse|more "
                                         r"than 64 levels deep)"):
     AxisRules.from_file(tmp_path / name)
 
@@ -188,7 +188,7 @@ def test_alias_bomb_hits_the_node_limit(tmp_path):
   lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
   lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, 8)]
   (tmp_path / "bomb.yaml").write_text("\n".join(lines) + "\nrules: []\n")
-  with pytest.raises(ConfigError, match=r"more than 200000 values \(YAML aliases count"):
+  with pytest.raises(RulesConfigError, match=r"more than 200000 values \(YAML aliases count"):
     AxisRules.from_file(tmp_path / "bomb.yaml")
 
 
@@ -201,14 +201,14 @@ def test_alias_bomb_hits_the_node_limit(tmp_path):
 def test_parser_crashes_become_config_errors(tmp_path, name, text, match):
   path = tmp_path / name
   path.write_bytes(text if isinstance(text, bytes) else text.encode())
-  with pytest.raises(ConfigError, match=match):
+  with pytest.raises(RulesConfigError, match=match):
     AxisRules.from_file(path)
 
 
 def test_serial_loop_lengths_are_bounded(tmp_path):
   (tmp_path / "l.yaml").write_text("rules:\n  - [b, {serial_loop: 2097152}]\n"
                                    "  - [c, {serial_loop: 1.5}]\n")
-  with pytest.raises(ConfigError, match=r"(?s)rules\[0\].*at most 1048576; got 2097152.*"
+  with pytest.raises(RulesConfigError, match=r"(?s)rules\[0\].*at most 1048576; got 2097152.*"
                                         r"rules\[1\].*positive int, got float 1\.5"):
     AxisRules.from_file(tmp_path / "l.yaml")
   with pytest.raises(ResourceError, match=r"positive int, got 2097152 \(at most 1048576"):
@@ -414,7 +414,7 @@ def test_maxtext_config_rules_under_key_equal_flax():
 
 
 def test_maxtext_config_without_key_gets_one_message():
-  with pytest.raises(ConfigError) as e:
+  with pytest.raises(RulesConfigError) as e:
     AxisRules.from_file(DATA / "maxtext_base_excerpt.yml")
   message = str(e.value)
   assert "did you mean key='logical_axis_rules'?" in message
@@ -434,24 +434,24 @@ def test_t5x_partitioner_rules_under_dotted_key():
                ("vocab", "embed"), ("heads", "kv", "joined_kv")]:
     assert rules.spec(axes) == nn.logical_to_mesh_axes(axes, t5x)
   assert AxisRules.from_file(path, key=["partitioner", "logical_axis_rules"]) == rules
-  with pytest.raises(ConfigError, match=r"did you mean key='partitioner.logical_axis_rules'"):
+  with pytest.raises(RulesConfigError, match=r"did you mean key='partitioner.logical_axis_rules'"):
     AxisRules.from_file(path)
 
 
 def test_key_errors(tmp_path):
   path = DATA / "maxtext_base_excerpt.yml"
-  with pytest.raises(ConfigError, match=r"(?s)no key 'logical_axis_rule' in 'the top level' "
+  with pytest.raises(RulesConfigError, match=r"(?s)no key 'logical_axis_rule' in 'the top level' "
                                         r"\(did you mean 'logical_axis_rules'\?\).*Rules lists "
                                         r"found under: 'logical_axis_rules'"):
     AxisRules.from_file(path, key="logical_axis_rule")
-  with pytest.raises(ConfigError, match=r"'run_name' is a str, not a mapping"):
+  with pytest.raises(RulesConfigError, match=r"'run_name' is a str, not a mapping"):
     AxisRules.from_file(path, key="run_name.rules")
-  with pytest.raises(ConfigError, match=r"'mesh_axes' holds \['data', 'stage', .*\], not "
+  with pytest.raises(RulesConfigError, match=r"'mesh_axes' holds \['data', 'stage', .*\], not "
                                         r"\[logical_name, mesh_axes\] pairs; did you mean "
                                         r"key='logical_axis_rules'\?"):
     AxisRules.from_file(path, key="mesh_axes")
   for bad in (3, "", [""]):
-    with pytest.raises(ConfigTypeError, match=r"key= must be a non-empty str"):
+    with pytest.raises(RulesConfigTypeError, match=r"key= must be a non-empty str"):
       AxisRules.from_file(path, key=bad)
   (tmp_path / "dotted.json").write_text(json.dumps({"a.b": {"rules": [["x", "y"]]}}))
   assert AxisRules.from_file(tmp_path / "dotted.json", key="a.b") == AxisRules([("x", "y")])
@@ -472,7 +472,7 @@ def test_from_dict_key_and_many_unknown_keys():
 # -- docs/errors.md ---------------------------------------------------------------------------
 
 ERRORS_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
-MINE = {"RulesError", "RulesTypeError", "ConfigError", "ConfigTypeError", "FileError",
+MINE = {"RulesError", "RulesTypeError", "RulesConfigError", "RulesConfigTypeError", "FileError",
         "NoRulesError", "ResolutionError", "MeshError"}
 
 
@@ -513,16 +513,16 @@ def test_errors_md_examples_raise_what_they_show(tmp_path, monkeypatch):
 def test_special_files_are_refused(tmp_path):
   fifo = tmp_path / "pipe.yaml"
   os.mkfifo(fifo)
-  with pytest.raises(ConfigError, match=r"pipe.yaml' : it is not a regular file|not a regular "
+  with pytest.raises(RulesConfigError, match=r"pipe.yaml' : it is not a regular file|not a regular "
                                         r"file \(a pipe or a device\)"):
     AxisRules.from_file(fifo)  # would block forever in open()
-  with pytest.raises(ConfigError, match=r"not a regular file"):
+  with pytest.raises(RulesConfigError, match=r"not a regular file"):
     AxisRules.from_file("/dev/zero", format="yaml")
   keep = tmp_path / "ro.json"
   keep.write_text("{}")
   keep.chmod(0o444)
   if not os.access(keep, os.W_OK):  # root may write anything
-    with pytest.raises(ConfigError, match=r"the file is read-only\. Make it writable"):
+    with pytest.raises(RulesConfigError, match=r"the file is read-only\. Make it writable"):
       RULES.to_file(keep)
     assert keep.read_text() == "{}"
 
@@ -544,7 +544,7 @@ def test_special_files_are_refused(tmp_path):
      r"constrain\(strict=...\) takes True or False, got 1"),
     (jnp.ones((8, 4)), P("data", "data"), {}, RulesError,
      r"mesh axis 'data' is used by entries 0 and 1"),
-    (jnp.ones((8, 4)), ("batch", None), {"rules": "nope.yaml"}, ConfigError,
+    (jnp.ones((8, 4)), ("batch", None), {"rules": "nope.yaml"}, RulesConfigError,
      r"Cannot read rules file 'nope.yaml': No such file"),
 ])
 def test_constrain_bad_input(x, axes, kw, cls, match):

@@ -10,7 +10,7 @@ import yaml
 from jax.sharding import PartitionSpec as P
 
 import partition
-from partition import AxisRules, ConfigError, SerialLoop
+from partition import AxisRules, RulesConfigError, SerialLoop
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PRESETS = sorted((ROOT / "recipes" / "presets").glob("*.yaml"))
@@ -79,7 +79,7 @@ microbatch = { serial_loop = 4 }
 def test_file_errors_name_file_entry_and_fix(tmp_path, name, text, match):
   path = tmp_path / name
   path.write_text(text)
-  with pytest.raises(ConfigError, match=match) as err:
+  with pytest.raises(RulesConfigError, match=match) as err:
     AxisRules.from_file(path)
   assert isinstance(err.value, ValueError)
   assert name in str(err.value)
@@ -88,7 +88,7 @@ def test_file_errors_name_file_entry_and_fix(tmp_path, name, text, match):
 
 
 def test_missing_file():
-  with pytest.raises(ConfigError, match=r"(?s)Cannot read rules file 'nope\.yaml'.*path"):
+  with pytest.raises(RulesConfigError, match=r"(?s)Cannot read rules file 'nope\.yaml'.*path"):
     AxisRules.from_file("nope.yaml")
 
 

@@ -191,3 +191,36 @@ def test_bad_mesh_argument():
   with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
     with partition.axis_rules([("a", "x")], mesh="data"):
       pass
+
+
+def test_auto_rules_mesh_under_explicit_set_mesh_is_a_mesh_error():
+  """JAX would raise a bare AssertionError ("acts as an assert when all axes ... Explicit")."""
+  auto = mesh_of((4, 2), ("a", "b"), AxisType.Auto)
+  explicit = mesh_of((4, 2), ("a", "b"), AxisType.Explicit)
+  for call in (lambda x: partition.constrain(x, ("batch", "embed")),
+               jax.jit(lambda x: partition.constrain(x, ("batch", "embed")))):
+    with jax.set_mesh(explicit), partition.axis_rules(rules_for(("a", "b")), auto):
+      with pytest.raises(partition.MeshError) as info:
+        call(jnp.ones((8, 4)))
+    message = str(info.value)
+    assert "the rules mesh and the jax.set_mesh mesh differ in which axes are Explicit" in message
+    assert "rules mesh (axis_rules or mesh=): mesh(a=4 Auto, b=2 Auto)" in message
+    assert "jax.set_mesh mesh: mesh(a=4 Explicit, b=2 Explicit)" in message
+    assert "Use one mesh for both" in message
+
+
+def test_explicit_rules_mesh_traced_outside_set_mesh_is_a_mesh_error():
+  """JAX would fail at dispatch with "Length of device assignment 1"; eagerly it works."""
+  explicit = mesh_of((4, 2), ("a", "b"), AxisType.Explicit)
+  with partition.axis_rules(rules_for(("a", "b")), explicit):
+    eager = partition.constrain(jnp.ones((8, 4)), ("batch", "embed"))
+    assert eager.sharding.spec == P("a", "b")
+    with pytest.raises(partition.MeshError) as info:
+      jax.jit(lambda x: partition.constrain(x, ("batch", "embed")))(jnp.ones((8, 4)))
+  message = str(info.value)
+  assert "the rules mesh has Explicit axes ['a', 'b']" in message
+  assert "traced outside jax.set_mesh" in message
+  assert "inside `with jax.set_mesh(mesh):`" in message
+  with jax.set_mesh(explicit), partition.axis_rules(rules_for(("a", "b")), explicit):
+    traced = jax.jit(lambda x: partition.constrain(x, ("batch", "embed")))(jnp.ones((8, 4)))
+  assert traced.sharding.spec == P("a", "b")

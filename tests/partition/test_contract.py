@@ -219,12 +219,14 @@ def _init_big(framework, mesh, strict):
 def test_never_silently_replicated_in_all_three(framework):
   # 'mlp' has no rule: both 128x256 kernels (128 KiB each) end up replicated on 8 devices.
   mesh = _mesh((2, 2, 2))
-  with pytest.warns(partition.ReplicatedWarning) as caught:
+  with pytest.warns(partition.PartitionWarning) as caught:
     _init_big(framework, mesh, strict=False)
-  assert len(caught) == 1
+  # one warning for the one cause, naming the name and the fix (three arrays share it)
+  assert [w.category for w in caught] == [partition.PartitionWarning]
   text = str(caught[0].message)
-  assert "parameter(s) are fully replicated on 8 devices" in text
-  assert "no rule for 'mlp'" in text and "pass strict=True" in text
+  assert "logical axis 'mlp' has no rule, so" in text
+  assert "(and 2 more array(s) for the same reason)" in text
+  assert "Add a rule for 'mlp'" in text
   with pytest.raises(partition.PlacementError, match=r"logical axis 'mlp' has no rule") as e:
     _init_big(framework, mesh, strict=True)
   # Three parameters name 'mlp' (two kernels, one bias): one bullet each, one error.

@@ -199,3 +199,22 @@ def test_path_table_override_replaces_declared_axes():
   plain = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=RULES,
                                       mesh=mesh, param_axes=table.pairs)
   assert plain["params"]["Dense_0"]["kernel"].value.sharding.spec == jax.P("fsdp", "tensor")
+
+
+def test_t5x_full_path_table_under_strict_counts_declared_parameters_as_matched():
+  """A pattern that matches a parameter has matched it, even when the parameter's own
+  params_axes win (issue 19: strict=True listed every such pattern as unused)."""
+  mesh, model, x = mesh_of(), T5Mlp(), jnp.ones((4, 16))
+  table = partition.PathRules([(r"^params/scale$", ("embed",)),
+                               (r"^params/wi/kernel$", ("embed", "mlp")),
+                               (r"^params/wo/kernel$", ("mlp", "embed"))])
+  variables = partition.flax.init_sharded(model, jax.random.key(0), x, rules=RULES, mesh=mesh,
+                                          param_axes=table, strict=True)
+  assert variables["params"]["wi"]["kernel"].sharding.spec == jax.P("fsdp", "tensor")
+  report = table.match(jax.eval_shape(model.init, jax.random.key(0), x))
+  assert report.unused == ()
+  assert set(report.declared) == {"params/scale", "params/wi/kernel", "params/wo/kernel"}
+  stale = table + [(r"^params/gone$", None)]
+  with pytest.raises(partition.PlacementError, match=r"'\^params/gone\$'"):
+    partition.flax.init_sharded(model, jax.random.key(0), x, rules=RULES, mesh=mesh,
+                                param_axes=stale, strict=True)

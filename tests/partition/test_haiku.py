@@ -126,9 +126,12 @@ def test_transform_with_state_and_abstract_and_explain():
 
 def test_rank_mismatch_in_table_names_path():
   bad = partition.PathRules([(r"linear_0/b$", ("embed", "mlp"))])
-  with pytest.raises(ValueError, match=r"mlp/~/linear_0/b: pattern #0"):
+  with pytest.raises(partition.PathRulesError, match=r"mlp/~/linear_0/b: pattern #0") as info:
     partition.haiku.init_sharded(hk.transform(stock), jax.random.key(0), jnp.ones((4, 8)),
                                  rules=RULES, mesh=_mesh(), param_axes=bad)
+  # the same class as partition.flax raises for the same mistake (one class per mistake)
+  assert "got logical axes of the wrong rank from param_axes" in str(info.value)
+  assert "at most one name (or None) per dim" in str(info.value)
 
 
 # -- hk.layer_stack: a leading stacked axis ----------------------------------------------------
@@ -411,3 +414,22 @@ def test_layer_stack_state_made_by_set_state_gets_the_stack_axis():
   ref = f.init(jax.random.key(0), x)[1]
   for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_table_pattern_matching_a_declared_parameter_is_used_under_strict():
+  """As in partition.flax: a pattern that matches a parameter has matched it, even when the
+  model's declared axes win."""
+  def declared(x):
+    w = partition.haiku.get_parameter("w", (8, 16), init=hk.initializers.Constant(1.0),
+                                      axes=("embed", "mlp"))
+    return x @ w
+
+  table = partition.PathRules([(r"/w$", ("embed", "mlp"))])
+  params = partition.haiku.init_sharded(hk.transform(declared), jax.random.key(0),
+                                        jnp.ones((4, 8)), rules=RULES, mesh=_mesh(),
+                                        param_axes=table, strict=True)
+  assert params["~"]["w"].sharding.spec == P("fsdp", "tensor")
+  stale = table + [(r"never$", None)]
+  with pytest.raises(partition.PlacementError, match=r"'never\$'"):
+    partition.haiku.init_sharded(hk.transform(declared), jax.random.key(0), jnp.ones((4, 8)),
+                                 rules=RULES, mesh=_mesh(), param_axes=stale, strict=True)

@@ -163,3 +163,16 @@ def test_path_table_for_stock_modules_and_annotate():
 def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="Pass rules=partition.AxisRules"):
     partition.nnx.init_sharded(lambda: MLP(nnx.Rngs(0)), mesh=_mesh())
+
+
+def test_init_fn_that_returns_no_module_is_an_adapter_type_error():
+  """Was a bare IndexError from nnx.split."""
+  mesh = jax.make_mesh((8,), ("data",))
+  rules = partition.AxisRules([("batch", "data")])
+  with pytest.raises(partition.PartitionError) as info:
+    partition.nnx.init_sharded(lambda: 3, rules=rules, mesh=mesh)
+  assert isinstance(info.value, TypeError)
+  message = str(info.value)
+  assert "partition.nnx.init_sharded: init_fn must return an NNX Module" in message
+  assert "returned an array (dtype int32, shape ())" in message
+  assert "Return the module it builds" in message

@@ -89,9 +89,12 @@ def test_default_params_context_and_path_rules_give_the_same_state(mesh):
   table = partition.PathRules([(r"^w_in$", ("embed", "mlp")), (r"^w_out$", ("mlp", "embed")),
                                (r"^embed$", ("vocab", "embed")), (r"^scale$", ("embed",))])
   from_table = partition.optimizer_init(tx, params, param_axes=table, rules=RULES, mesh=mesh)
-  for a, b, c in zip(jax.tree.leaves(from_boxes), jax.tree.leaves(from_tree),
-                     jax.tree.leaves(from_table)):
-    assert a.sharding == b.sharding == c.sharding
+  # a list of (regex, axes) pairs is a path table here too, as in the adapters' param_axes=
+  from_pairs = partition.optimizer_init(tx, params, param_axes=list(table.pairs), rules=RULES,
+                                        mesh=mesh)
+  for a, b, c, d in zip(jax.tree.leaves(from_boxes), jax.tree.leaves(from_tree),
+                        jax.tree.leaves(from_table), jax.tree.leaves(from_pairs)):
+    assert a.sharding == b.sharding == c.sharding == d.sharding
 
 
 def test_optimizer_axes_keep_empty_state_and_masked_node():

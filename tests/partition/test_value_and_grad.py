@@ -315,3 +315,15 @@ def test_model_with_hard_coded_sharding_constraint():
   step = partition.value_and_grad(loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
                                   rules=rules, mesh=mesh, microbatches=2)
   _assert_close(step(params, batch), jax.value_and_grad(loss)(params, batch))
+
+
+def test_param_axes_as_a_list_of_path_pairs_is_a_path_table():
+  """param_axes= means the same as in the adapters: (regex, axes) pairs are a path table."""
+  mesh, rules = _mesh(), partition.AxisRules(TABLES["fsdp_tp"])
+  params, batch = _problem()
+  pairs = [(r"^w1$", ("embed", "mlp")), (r"^b1$", ("mlp",)), (r"^w2$", ("mlp", "embed"))]
+  step = partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, param_axes=pairs,
+                                  rules=rules, mesh=mesh)
+  loss, grads = step(params, batch)
+  _assert_close((loss, grads), jax.value_and_grad(mlp_loss)(params, batch))
+  _assert_sharded_like_params(grads, rules, mesh, params)

@@ -101,9 +101,13 @@ def test_duplicate_name_in_one_out_spec():
 
 
 def test_duplicate_name_in_reduction():
-  with _raises(ValueError, r"Sum\('i', 'i'\) names an axis twice") as e:
+  with _raises(ValueError, r"Sum\('i', 'i'\) names axis 'i' twice\. Name each axis to "
+                           r"reduce once: Sum\('i'\)") as e:
     Sum("i", "i")
   _check_type(e, ValueError)
+  with _raises(ValueError, r"Mean\('i', 'j', 'i'\) names axis 'i' twice\. Name each axis "
+                           r"to reduce once: Mean\('i', 'j'\)"):
+    partition.Mean("i", "j", "i")
 
 
 def test_reduction_both_reduces_and_keeps():
@@ -489,8 +493,8 @@ def test_collective_over_named_loop_axis_under_jit():
 
 def test_collective_over_an_unbound_name():
   f = xmap(lambda a: lax.psum(a, "batchh"), ["batch", ...], ["batch", ...])
-  with _raises(ValueError, r"refers to axis 'batchh', which no enclosing xmap or vmap binds\. "
-                           r"Did you mean 'batch'\?(?s:.*)axes of this xmap: \['batch'\]") as e:
+  with _raises(ValueError, r"refers to axis 'batchh', which no enclosing xmap or vmap binds "
+                           r"\(did you mean 'batch'\?\)\.(?s:.*)axes of this xmap: \['batch'\]") as e:
     f(jnp.ones(4))
   _check_type(e, ValueError)
   assert isinstance(e.value, partition.AxisNameError)
@@ -556,7 +560,7 @@ def test_axis_sizes_types(sizes, match):
 
 @pytest.mark.parametrize("call, match", [
     (lambda f: f(a=jnp.ones(4)), r"positional arguments only(?s:.*)\['a'\]"),
-    (lambda f: f("abc"), r"arguments must be arrays(?s:.*)\['str'\]"),
+    (lambda f: f("abc"), r"arguments must be arrays(?s:.*)argument\[0\] is str 'abc'"),
 ])
 def test_bad_call_arguments(call, match):
   f = xmap(ident, ["i", ...], ["i", ...])
@@ -651,3 +655,29 @@ def test_error_names_the_user_function():
   f = xmap(my_model, (["i", ...],), ["i", ...], axis_resources={"i": SerialLoop(4)})
   with pytest.raises(ValueError, match=re.escape("xmap(") + r".*my_model"):
     f(jnp.ones(6))
+
+
+def test_abstract_mesh_without_a_context_mesh_is_a_mesh_error():
+  """JAX would raise a RuntimeError ("requires a non-empty mesh in context")."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  f = xmap(jnp.sin, ["b", ...], ["b", ...], axis_resources={"b": "data"},
+           mesh=mesh.abstract_mesh)
+  with pytest.raises(partition.MeshError) as info:
+    f(jnp.ones((8, 4)))
+  message = str(info.value)
+  assert "xmap(sin): mesh= is an AbstractMesh, which has no devices to run on." in message
+  assert "mesh=: mesh(data=4 Explicit, model=2 Explicit)" in message
+  assert "Pass a concrete mesh" in message
+  with jax.set_mesh(mesh):  # a concrete mesh of the same shape in context: runs there
+    out = f(jnp.ones((8, 4)))
+  assert out.shape == (8, 4)
+
+
+def test_wrong_typed_argument_names_the_argument_and_leaf():
+  f = xmap(lambda a, b: a * b["k"], (["i", ...], {"k": ["i", ...]}), ["i", ...])
+  with _raises(TypeError, r"(?s)arguments must be arrays.*1 leaf\(s\) are not:\n"
+                          r"  \* argument\[0\] is str 'abc'\nConvert them") as e:
+    f("abc", {"k": jnp.ones(4)})
+  _check_type(e, TypeError)
+  with _raises(TypeError, r"  \* argument\[1\]\['k'\] is str 'abc'"):
+    f(jnp.ones(4), {"k": "abc"})

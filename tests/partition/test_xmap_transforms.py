@@ -4,6 +4,7 @@ transformation of the positional function ``jnp.sin(x) * 2`` (or ``x * 3``, for 
 transpose) on one device."""
 
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -110,3 +111,60 @@ def test_value_and_grad_of_xmap_outside_jit_under_set_mesh():
   ref_value, ref_grad = jax.value_and_grad(lambda w: jnp.tanh(X @ w).sum())(w)
   np.testing.assert_allclose(value, ref_value, rtol=1e-5)
   np.testing.assert_allclose(grad, ref_grad, rtol=1e-5)
+
+
+W = np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3)
+
+
+def _mixed_transforms(f, how):
+  """name -> (transformed call of ``f(w, x)`` differentiating/mapping ``w`` only, with ``x`` a
+  concrete jax.Array either closed over or passed and not differentiated), for ``f`` the
+  xmap and for the positional reference."""
+  x = jnp.asarray(X)  # a committed-looking jax.Array, not numpy: it carries a memory kind
+
+  def call(fn):
+    return (lambda w: fn(w, x)) if how == "closed" else fn
+
+  def args(w):
+    return (w,) if how == "closed" else (w, x)
+
+  ws = jnp.stack([jnp.asarray(W), 2 * jnp.asarray(W)])
+  return {
+      "value_and_grad": lambda fn: jax.value_and_grad(
+          lambda *a: (call(fn)(*a) ** 2).sum())(*args(jnp.asarray(W))),
+      "vjp": lambda fn: (lambda y, pull: pull(jnp.ones_like(y)))(
+          *jax.vjp(lambda w: call(fn)(*args(w)), jnp.asarray(W))),
+      "jvp": lambda fn: jax.jvp(lambda w: call(fn)(*args(w)), (jnp.asarray(W),),
+                                (jnp.ones_like(W),)),
+      "vmap": lambda fn: jax.vmap(lambda w: call(fn)(*args(w)))(ws),
+      "checkpoint": lambda fn: jax.grad(
+          lambda w: jax.checkpoint(lambda w: call(fn)(*args(w)))(w).sum())(jnp.asarray(W)),
+  }
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("form", ["mesh=", "set_mesh"])
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["Auto", "Explicit"])
+@pytest.mark.parametrize("how", ["closed", "nondiff"])
+@pytest.mark.parametrize("transform", ["value_and_grad", "vjp", "jvp", "vmap", "checkpoint"])
+def test_transformation_matrix_with_concrete_arguments(transform, how, axis_type, form,
+                                                       jitted):
+  """Mixes of traced and concrete arguments: the differentiated weight is traced, the
+  batch is a concrete jax.Array, closed over or passed and not differentiated (issue 19: eager
+  grad under jax.set_mesh raised JAX's "Memory kinds passed to jax.jit")."""
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  if axis_type == AxisType.Explicit and form == "mesh=" and not jitted and transform in (
+      "value_and_grad", "checkpoint"):
+    pytest.skip("eager ops on Explicit arrays need jax.set_mesh (JAX's rule, see "
+                "test_plain_jax_needs_set_mesh_for_eager_explicit_ops)")
+  f = xmap(lambda w, x: jnp.tanh(x @ w), ({}, ["b", ...]), ["b", ...],
+           axis_resources={"b": "data"}, mesh=mesh if form == "mesh=" else None)
+  got_fn = functools.partial(_mixed_transforms(f, how)[transform], f)
+  if jitted:
+    got_fn = jax.jit(got_fn)
+  context = jax.set_mesh(mesh) if form == "set_mesh" else contextlib.nullcontext()
+  with context:
+    got = got_fn()
+  want = _mixed_transforms(None, how)[transform](lambda w, x: jnp.tanh(x @ w))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                      rtol=1e-5, atol=1e-6), got, want)

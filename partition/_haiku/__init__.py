@@ -1,0 +1,1 @@
+"""The Haiku adapter's machinery; ``partition.haiku`` is its public face (see README.md)."""

@@ -1,0 +1,38 @@
+"""The Haiku adapter's constants and exception classes."""
+
+from __future__ import annotations
+
+import threading
+
+from partition._errors import PartitionError
+from partition._logical_axes import LogicalAxesError
+from partition._warnings import PartitionWarning
+
+Axes = tuple[str | None, ...]
+
+STACK_AXIS = "layers"
+"""Default logical name of the leading dim that ``hk.layer_stack`` adds to per-layer params."""
+
+_PARAMS, _STATE = "params", "state"
+_LOCAL = threading.local()
+
+
+class HaikuInputError(PartitionError, TypeError, ValueError):
+  """An entry point of ``partition.haiku`` got an argument it cannot use (wrong type/value)."""
+
+
+class AxesTypeError(LogicalAxesError, TypeError):
+  """Logical axes given as something other than a sequence of names (e.g. a bare ``str``)."""
+
+
+class StaticArgError(PartitionError, TypeError):
+  """The model needs a concrete Python value from an input that the adapter traces."""
+
+
+class UnusedPatternWarning(PartitionWarning):
+  """A :func:`constrain_outputs` pattern matched no module call."""
+
+
+# Users meet these as partition.haiku.* (its public face re-exports them).
+for _cls in (HaikuInputError, AxesTypeError, StaticArgError, UnusedPatternWarning):
+  _cls.__module__ = "partition.haiku"
