@@ -72,12 +72,41 @@ def dense(x: Array, kernel: Array, bias: Array | None = None, *, contract: int =
   return y if bias is None else y + bias.astype(dtype)
 
 
+def _mesh_axes(spec: Any) -> set[str]:
+  axes = set()
+  for entry in spec:
+    axes.update((entry,) if isinstance(entry, str) else entry or ())
+  return axes
+
+
+def lookup_table(table: Array, batch_size: int) -> Array:
+  """``table (vocab, embed)`` constrained to the sharding an embedding lookup reads it in.
+
+  Under ``partition.axis_rules`` with a mesh: the ``embed`` dim is always gathered, and the
+  ``vocab`` dim stays sharded only if its mesh axes are not the batch's. Tensor parallelism
+  (``vocab`` over ``tensor``) thus gets Megatron's vocabulary-parallel lookup (each device
+  takes its rows, one all-reduce of the embeddings over ``tensor``), while a table sharded
+  over a batch axis (FSDP) is all-gathered like any FSDP weight before a local take, never
+  gathering the batch's tokens or embeddings. Without rules or mesh: ``table`` itself.
+  """
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  if rules is None or mesh is None:
+    return table
+  vocab = _mesh_axes(rules.spec(("vocab",), table.shape[:1], mesh))
+  batch = _mesh_axes(rules.spec(("batch",), (batch_size,), mesh))
+  return partition.constrain(table, (None if vocab & batch else "vocab", None))
+
+
 def embed(tokens: Array, table: Array, *, dtype: Any = None) -> Array:
   """Embedding lookup: ``tokens (...)`` ints, ``table (vocab, embed)`` -> ``(..., embed)``.
+
+  The table is read as :func:`lookup_table` says when ``tokens`` is ``(batch, length)``.
 
   >>> embed(jnp.array([[0, 2]]), jnp.eye(3)).tolist()
   [[[1.0, 0.0, 0.0], [0.0, 0.0, 1.0]]]
   """
+  if tokens.ndim == 2:
+    table = lookup_table(table, tokens.shape[0])
   return jnp.take(table, tokens, axis=0).astype(table.dtype if dtype is None else dtype)
 
 
