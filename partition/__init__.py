@@ -51,3 +51,4 @@ from partition._audit import ReplicatedWarning as ReplicatedWarning
 from partition._optim import OptimizerStateError as OptimizerStateError
 from partition._optim import optimizer_axes as optimizer_axes
 from partition._optim import optimizer_init as optimizer_init
+from partition._hlo import collective_stats as collective_stats
