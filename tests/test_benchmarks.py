@@ -1,7 +1,7 @@
 """The benchmark suite's quick mode: output structure, and every pair agreeing numerically.
 
-Timing ratios are not asserted (they depend on the machine); the collective-byte parser is
-checked against programs whose collectives are known.
+Timing ratios are not asserted (they depend on the machine); the collective-byte counting
+(``partition.collective_stats``) is tested in tests/partition/test_hlo.py.
 """
 
 import json
@@ -87,55 +87,6 @@ def test_unknown_section_is_rejected(capsys):
   assert "unknown section(s) ['nope']" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------- HLO byte counting
-
-
-def _compiled(f, x, in_spec, out_spec, mesh):
-  return jax.jit(f, in_shardings=NamedSharding(mesh, in_spec),
-                 out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile()
-
-
-def test_collectives_count_an_all_gather():
-  mesh = common.auto_mesh((8,), ("d",))
-  x = jnp.ones((64, 32), jnp.float32)
-  c = common.collectives(_compiled(lambda v: v * 2, x, P("d"), P(), mesh).as_text(), 8)
-  assert c["all-gather"]["count"] == 1
-  assert c["all-gather"]["result_bytes"] == 64 * 32 * 4
-  assert c["total"]["wire_bytes"] == pytest.approx(64 * 32 * 4 * 7 / 8)
-
-
-def test_collectives_count_an_all_reduce_over_a_sub_group():
-  mesh = common.auto_mesh((4, 2), ("a", "b"))
-  x = jnp.ones((16, 8), jnp.float32)
-  c = common.collectives(_compiled(lambda v: v.sum(0), x, P("a"), P(), mesh).as_text(), 8)
-  assert c["all-reduce"]["count"] == 1
-  assert c["all-reduce"]["result_bytes"] == 8 * 4
-  assert c["total"]["wire_bytes"] == pytest.approx(2 * 8 * 4 * 3 / 4)  # groups of 4
-
-
-@pytest.mark.parametrize("line, size", [
-    ("x = f32[8] all-reduce(y), replica_groups={{0,1},{2,3},{4,5},{6,7}}", 2),
-    ("x = f32[8] all-reduce(y), replica_groups=[2,4]<=[8]", 4),
-    ("x = f32[8] all-reduce(y), replica_groups=mesh['a'=4,'b'=2] {'a','b'}", 8),
-    ("x = f32[8] all-reduce(y), replica_groups=mesh['a'=4,'b'=2] {'b'}", 2),
-    ("x = f32[8] all-reduce(y), replica_groups={}", 8),
-])
-def test_group_size_forms(line, size):
-  assert common.group_size(line, 8) == size
-
-
-def test_reduce_scatter_and_tuple_bytes():
-  text = "\n".join([
-      "%rs = bf16[4,8]{1,0} reduce-scatter(%p), replica_groups=[1,8]<=[8], dimensions={0}",
-      "%ar = (f32[10]{0}, f32[6]{0}) all-reduce(%a, %b), replica_groups=[1,2]<=[2]",
-  ])
-  c = common.collectives(text, 8)
-  assert c["reduce-scatter"]["result_bytes"] == 4 * 8 * 2
-  assert c["reduce-scatter"]["wire_bytes"] == pytest.approx(4 * 8 * 2 * 8 * 7 / 8)
-  assert c["all-reduce"]["result_bytes"] == 16 * 4
-  assert c["all-reduce"]["wire_bytes"] == pytest.approx(2 * 16 * 4 * 1 / 2)
-
-
 def test_compact_table_for_the_readme(quick_run):
   from benchmarks import report
 
@@ -147,32 +98,3 @@ def test_compact_table_for_the_readme(quick_run):
   assert all(line.count("|") == 8 for line in table)
   statuses = [line.split("|")[6].strip() for line in table[2:]]
   assert set(statuses) <= {"PASS", "MISS"}
-
-
-def test_async_collectives_count_once_with_their_result():
-  """GPU HLO: ``*-start`` ops (gathers return (operand, result)), ``*-done`` not counted."""
-  text = "\n".join([
-      "%ags = (f32[4,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8]",
-      "%agd = f32[32,8]{1,0} all-gather-done(%ags)",
-      "%ars = f32[16]{0} all-reduce-start(%q), replica_groups=[1,8]<=[8], to_apply=%add",
-      "%ard = f32[16]{0} all-reduce-done(%ars)",
-  ])
-  c = common.collectives(text, 8)
-  assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4, "in_loops": 0,
-                             "wire_bytes": pytest.approx(32 * 8 * 4 * 7 / 8)}
-  assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["result_bytes"] == 16 * 4
-
-
-def test_collectives_in_a_loop_count_per_iteration():
-  """A psum inside a 4-step lax.scan runs 4 times per call (known_trip_count)."""
-  mesh = common.auto_mesh((8,), ("d",))
-
-  def f(x):  # x: [8, 4] sharded on rows; each step all-reduces a [4] partial sum
-    def step(acc, i):
-      return acc + jax.lax.with_sharding_constraint((x * i).sum(0), NamedSharding(mesh, P())), None
-    return jax.lax.scan(step, jnp.zeros(4), jnp.arange(4.0))[0]
-
-  text = _compiled(f, jnp.ones((8, 4)), P("d"), P(), mesh).as_text()
-  c = common.collectives(text, 8)
-  assert c["all-reduce"]["count"] == 4 and c["all-reduce"]["in_loops"] == 1
-  assert c["all-reduce"]["result_bytes"] == 4 * 4 * 4
