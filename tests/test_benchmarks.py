@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import partition
 from benchmarks import common, run
 
 ROW_KEYS = {"section", "workload", "metric", "ours", "baseline", "unit", "target", "note",
@@ -98,3 +99,54 @@ def test_compact_table_for_the_readme(quick_run):
   assert all(line.count("|") == 8 for line in table)
   statuses = [line.split("|")[6].strip() for line in table[2:]]
   assert set(statuses) <= {"PASS", "MISS"}
+
+
+def test_papers_section_reduces_data_parallel_gradients_once(quick_run):
+  _, data = quick_run
+  series = {s["name"]: s for s in data["sections"]}["papers"]["series"]["papers"]
+  assert set(series) == {"tensor_parallel", "data_parallel k=4"}
+  dp = series["data_parallel k=4"]
+  assert dp["collectives_ours"]["all-reduce"]["data"]["count"] == 1
+  assert dp["collectives_hand_written"]["all-reduce"]["data"]["count"] == 4  # per micro-batch
+  assert dp["argument_bytes"] == dp["argument_analytic"]
+
+
+def test_papers_formulas_by_hand():
+  import layers
+  import numpy as np
+
+  from benchmarks import papers
+
+  cfg = layers.TransformerConfig(vocab_size=16, embed_dim=8, mlp_dim=16, num_heads=2,
+                                 num_kv_heads=1, head_dim=4, num_layers=2, num_experts=4,
+                                 experts_per_token=2)
+  # Megatron: (4 L + 2) all-reduces of [16 tokens, 8] floats over 2 devices
+  assert papers.megatron_bytes(cfg, 16, 2) == (4 * 2 + 2) * 2 * 16 * 8 * 4 / 2
+  # K and V of 32 tokens, 1 kv head of 4: gathered and reduce-scattered over 4, per layer
+  assert papers.sequence_bytes(cfg, 32, 4) == 2 * 2 * 2 * (32 * 4 * 4) * 3 / 4
+  # 2 rows x 4 experts x capacity ceil(1.25 * 8 * 2 / 4) = 5 slots x 8, 4 all-to-alls a layer
+  assert papers.expert_bytes(cfg, 2, 8, 4) == 2 * 4 * (2 * 4 * 5 * 8 * 4) * 3 / 4
+  mesh = common.auto_mesh((2, 4), ("data", "fsdp"))
+  rules = partition.AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp")])
+  params = {"w": np.zeros((8, 4), np.float32), "b": np.zeros((4,), np.float32)}
+  axes = {"w": ("embed", "mlp"), "b": ("mlp",)}
+  w, b = 8 * 4 * 4, 4 * 4
+  # w (FSDP over 4): gather 3/4 w, reduce-scatter 3/4 w (k times), all-reduce w/4 over data;
+  # b replicated: one all-reduce over all 8 devices, whatever k
+  for k in (1, 4):
+    want = w * 3 / 4 + k * (w * 3 / 4 + 2 * (w / 4) / 2) + 2 * b * 7 / 8
+    assert papers.zero_bytes(axes, params, rules, mesh, ("data", "fsdp"), k) == \
+        pytest.approx(want)
+
+
+def test_merge_keeps_the_other_sections(tmp_path):
+  from benchmarks import report
+
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"meta": {"quick": False}, "sections": [
+      {"name": "a", "rows": [1]}, {"name": "b", "rows": [2]}]}))
+  new = {"meta": {"quick": True}, "sections": [{"name": "b", "rows": [3]},
+                                               {"name": "c", "rows": [4]}]}
+  out = report.merged(path, new, ["a", "b", "c"])
+  assert [s["rows"] for s in out["sections"]] == [[1], [3], [4]]
+  assert out["meta"]["quick"] is False and out["meta"]["last_run"]["sections"] == ["b", "c"]
