@@ -27,7 +27,8 @@ The analytic terms (``S``: bytes of an array as model parallelism leaves it on a
   paper's second gather), its gradient reduce-scattered (``S (f-1)/f``) and the shard
   all-reduced over the other batch axes (``2 (S/f) (r-1)/r``), per micro-batch on the
   ``'per_microbatch'`` schedule that ``grad_reduction='auto'`` gives FSDP parameters (as
-  ZeRO's partitioned gradients are reduced every micro-step) — see :func:`zero_bytes`;
+  ZeRO's partitioned gradients are reduced every micro-step), once with
+  ``grad_reduction='once'`` — see :func:`zero_bytes`;
 * tensor parallelism, Megatron-LM (Shoeybi et al., 2019, §3): per layer two all-reduces of
   the ``[tokens, embed]`` activations forward and two backward, plus one forward all-reduce
   after the vocabulary-parallel embedding lookup and one backward after the output
@@ -77,7 +78,7 @@ from benchmarks.train_step import BATCH_AXES, PRESETS, cross_entropy, micro_scan
 NAME = "papers"
 TITLE = "8. communication and memory per step vs Megatron-LM / ZeRO / GShard"
 F32 = 4
-#: (preset, mesh shape, mesh axis names, micro-batches)
+#: (preset, mesh shape, mesh axis names, micro-batches[, grad_reduction])
 CASES = (
     ("data_parallel", (8,), ("data",), 1),
     ("fsdp", (2, 4), ("data", "fsdp"), 1),
@@ -87,15 +88,27 @@ CASES = (
     ("expert_parallel", (2, 4), ("data", "expert"), 1),
     ("data_parallel", (8,), ("data",), 4),
     ("fsdp", (2, 4), ("data", "fsdp"), 4),
+    ("fsdp", (2, 4), ("data", "fsdp"), 4, "once"),
 )
 
 QUICK_CASES = (CASES[2], CASES[6])  # tensor_parallel, data_parallel k=4
+_TIED = ("the tied embedding: the gradient reduction carries two [vocab, embed] operands (the "
+         "lookup's and the output projection's gradients, reduced separately and then added; "
+         "read in the HLO), one [vocab, embed] reduction more than ZeRO's")
 #: Causes of the misses, measured in the HLO of this section's programs (see README).
 CAUSES = {
-    "data_parallel": "the tied embedding's gradient is all-reduced as two [vocab, embed] "
-                     "operands (lookup and output projection), not summed first",
-    "tensor_parallel": "separate query/key/value and wi_gate/wi_up kernels: their input "
-                       "gradients are all-reduced one by one (Megatron: one per block half)",
+    "data_parallel": _TIED,
+    "fsdp": _TIED + " (per micro-batch with k > 1)",
+    "tensor_parallel": _TIED + " (over 'data'; the tensor axis is within 1 % of Megatron)",
+    "sequence_parallel": "XLA reduces the gradients in two stages, an all-reduce over "
+                         "'sequence' and one over 'data' (2 S 3/4 + 2 S 1/2 = 2.5 S) instead of "
+                         "one over data x sequence (1.75 S); plus the tied embedding's second "
+                         "operand",
+    "expert_parallel": "10 all-gathers over the batch axes (4 over data x expert, 2 over data: "
+                       "activations around the expert layers, not parameters, which are "
+                       "replicated or expert-sharded); not isolated further",
+    "fsdp_tp": "24 all-gathers over 'fsdp' (more than one per weight) and the tied "
+               "embedding's second operand; not isolated further",
 }
 
 
@@ -180,7 +193,8 @@ def analytic_terms(case: Case) -> dict[str, float]:
   (gradients and FSDP gathers over the batch's mesh axes), ``megatron`` (the tensor axis),
   ``sequence``, ``expert``."""
   cfg, mesh, batch_axes = case.cfg, case.mesh, case.batch_mesh_axes
-  terms = {"zero": zero_bytes(case.axes, case.params, case.rules, mesh, batch_axes, case.k)}
+  k = 1 if case.grad_reduction == "once" else case.k  # gradient reductions per step
+  terms = {"zero": zero_bytes(case.axes, case.params, case.rules, mesh, batch_axes, k)}
   replicas = math.prod(mesh.shape[a] for a in batch_axes)
   if "tensor" in mesh.shape:
     terms["megatron"] = megatron_bytes(cfg, case.n * case.length // replicas,
@@ -235,6 +249,7 @@ class Case:
   axes: Any
   batch: Any
   batch_mesh_axes: tuple[str, ...]
+  grad_reduction: str = "auto"
   ours: Any = None
   base: Any = None
   args: tuple = ()
@@ -248,7 +263,7 @@ class Case:
 
 
 def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
-          quick: bool) -> Case:
+          quick: bool, grad_reduction: str = "auto") -> Case:
   rules = partition.AxisRules.from_file(PRESETS / f"{preset}.yaml")
   mesh = auto_mesh(shape, names)
   cfg = config(quick, experts=4 if preset == "expert_parallel" else 0)
@@ -268,8 +283,10 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
   batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, rows)
   batch_mesh_axes = _names(tuple(batch_spec)[0] if len(batch_spec) else None)
   m = math.prod(mesh.shape[a] for a in batch_mesh_axes)
-  label = preset + (f" k={k}" if k > 1 else "")
-  case = Case(label, cfg, rules, mesh, k, n, length, params, axes, batch, batch_mesh_axes)
+  label = preset + (f" k={k}" if k > 1 else "") + (
+      f" {grad_reduction}" if grad_reduction != "auto" else "")
+  case = Case(label, cfg, rules, mesh, k, n, length, params, axes, batch, batch_mesh_axes,
+              grad_reduction)
 
   with partition.axis_rules(rules, mesh):
     abstract = jax.eval_shape(model.init, jax.random.key(0), tokens[:, :-1])
@@ -277,7 +294,7 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
                                       flax_rules(rules))["params"]
   opt_shard = jax.tree.map(lambda x: x.sharding, opt_state)
   vg = partition.value_and_grad(loss, batch_axes=BATCH_AXES, param_axes=axes, rules=rules,
-                                mesh=mesh, microbatches=k)
+                                mesh=mesh, microbatches=k, grad_reduction=grad_reduction)
   base_vg = micro_scan(loss, k, m, shard, rows) if k > 1 else jax.value_and_grad(loss)
 
   def ours(params, opt_state, batch):
@@ -304,8 +321,8 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
 def run(quick: bool) -> Section:
   section = Section(NAME, TITLE)
   series = {}
-  for preset, shape, names, k in (QUICK_CASES if quick else CASES):
-    case = build(preset, shape, names, k, quick)
+  for preset, shape, names, k, *schedule in (QUICK_CASES if quick else CASES):
+    case = build(preset, shape, names, k, quick, *schedule)
     with case.context():
       compiled = [f.lower(*case.args).compile() for f in (case.ours, case.base)]
       out_ours, out_base = (c(*case.args) for c in compiled)
