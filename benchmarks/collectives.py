@@ -2,10 +2,11 @@
 
 A two-block residual MLP (``x + W2 tanh(W1 x)`` twice, no biases, ``P`` parameters) takes
 one ``partition.value_and_grad`` step on an 8-device mesh under each strategy; the compiled
-HLO (``compiled.as_text()``) is parsed for all-reduce / all-gather / reduce-scatter /
-all-to-all / collective-permute, and each op's bytes are converted to the bytes one device
-sends with ring algorithms (all-reduce ``2 S (n-1)/n``, all-gather and reduce-scatter
-``S (n-1)/n`` of the full array ``S``). The analytic minimum per strategy, ``n = 8``, 4-byte
+HLO is read by ``partition.collective_stats``: every all-reduce / all-gather /
+reduce-scatter / all-to-all / collective-permute, converted to the bytes one device sends
+with ring algorithms (all-reduce ``2 S (n-1)/n``, all-gather and reduce-scatter
+``S (n-1)/n`` of the full array ``S``); XLA:CPU's all-reduce + dynamic-slice counts as the
+reduce-scatter it stands for. The analytic minimum per strategy, ``n = 8``, 4-byte
 floats:
 
 * DP (batch on ``data``): one all-reduce of the gradients and the loss:
@@ -31,7 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from benchmarks.common import BYTES_TARGET, Row, Section, auto_mesh, collectives, log
+from benchmarks.common import BYTES_TARGET, Row, Section, auto_mesh, log
 from benchmarks.train_step import micro_scan
 
 NAME = "collectives"
@@ -43,12 +44,6 @@ STRATEGIES = {
     "FSDP": ("fsdp", [("batch", "fsdp"), ("embed", "fsdp")]),
     "TP": ("tensor", [("mlp", "tensor")]),
 }
-CPU_REDUCE_SCATTER = (
-    "XLA:CPU has no reduce-scatter here: the gradient reduction is an all-reduce of the "
-    "full gradient followed by a dynamic-slice (2 P (n-1)/n instead of P (n-1)/n); the same "
-    "HLO as the hand-written jit, so not a partition cost")
-
-
 MICRO_NOTE = (
     "with k={k} micro-batches the gradients are reduced inside the loop, once per "
     "micro-batch (k x the reduction bytes; the all-gathers are hoisted out), because the "
@@ -111,32 +106,33 @@ def run(quick: bool) -> Section:
     mesh, ours, base, args, n_params, (b, d) = strategy_programs(strategy, quick, k)
     with jax.set_mesh(mesh):
       section.check(strategy + (f" k={k}" if k > 1 else ""), ours(*args), base(*args))
-      c_ours, c_base = (collectives(f.lower(*args).compile().as_text(), N) for f in (ours, base))
+      c_ours, c_base = (partition.collective_stats(f.lower(*args).compile(), mesh)
+                        for f in (ours, base))
     minimum = analytic(strategy, n_params, b, d)
     label = strategy + (f" k={k}" if k > 1 else "")
     workload = f"{label} P={n_params / 1e6:.2f}M B={b} D={d}"
     log(f"  {workload}: {_ops(c_ours)}")
-    has_rs = c_ours["reduce-scatter"]["count"] > 0
-    note = "" if strategy != "FSDP" or has_rs else CPU_REDUCE_SCATTER
-    if k > 1 and c_ours["total"]["in_loops"]:
-      note = f"{MICRO_NOTE.format(k=k)}; {note}"
-    wire = c_ours["total"]["wire_bytes"]
+    note = MICRO_NOTE.format(k=k) if k > 1 else ""
+    wire = c_ours.total_bytes
     section.rows.append(Row(NAME, workload, f"collective bytes/device vs analytic ({_ops(c_ours)})",
                             wire, minimum, "bytes", BYTES_TARGET,
                             note if wire / minimum > BYTES_TARGET else "",
                             baseline_label="analytic minimum"))
     section.rows.append(Row(NAME, workload, f"collective bytes/device vs hand-written jit "
-                            f"({_ops(c_base)})", wire, c_base["total"]["wire_bytes"], "bytes",
+                            f"({_ops(c_base)})", wire, c_base.total_bytes, "bytes",
                             BYTES_TARGET))
-    series[label] = {"ours": wire, "hand_written": c_base["total"]["wire_bytes"],
+    series[label] = {"ours": wire, "hand_written": c_base.total_bytes,
                      "analytic": minimum, "ops_ours": _counts(c_ours),
                      "ops_hand_written": _counts(c_base)}
   section.series["collective_bytes"] = series
   return section
 
 
-def _counts(c) -> dict[str, int]:
-  return {op: int(v["count"]) for op, v in c.items() if op != "total" and v["count"]}
+def _counts(stats) -> dict[str, int]:
+  out: dict[str, int] = {}
+  for op in stats.ops:
+    out[op.kind] = out.get(op.kind, 0) + op.count
+  return out
 
 
 def _ops(c) -> str:

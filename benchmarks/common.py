@@ -8,9 +8,9 @@
   a shared machine then hits both sides alike.
 * **memory**: :func:`memory` reads ``compiled.memory_analysis()`` (per device for an SPMD
   program).
-* **collectives**: :func:`collectives` parses ``compiled.as_text()`` and counts the bytes
-  of every all-reduce / all-gather / reduce-scatter / all-to-all / collective-permute, both
-  as the HLO states them and as ring-algorithm bytes sent per device.
+* **collectives**: ``partition.collective_stats(compiled, mesh)`` (the library's public
+  utility) counts every collective of the compiled HLO per kind and mesh axis, with the
+  ring-algorithm bytes each device sends (ops in loops x their trip count).
 * **records**: a section returns :class:`Row` s (one measured ratio against its target, with a
   ``note`` saying why when a target is missed) and :class:`Check` s (the two programs of a pair
   agreed numerically).
@@ -22,7 +22,6 @@ import dataclasses
 import gc
 import math
 import os
-import re
 import statistics
 import sys
 import time
@@ -211,124 +210,6 @@ def memory(compiled: Any) -> dict[str, int]:
   alias = m.alias_size_in_bytes
   return {"temp": temp, "argument": arg, "output": out,
           "peak": temp + arg + out - alias}
-
-
-# -------------------------------------------------------------------------- collectives
-
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-               "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8,
-                "c128": 16}
-_OP = re.compile(r"=\s*(?P<type>\(.*?\)|\S+)\s+(?P<op>" + "|".join(COLLECTIVES)
-                 + r")(?P<start>-start)?\(")
-_ARRAY = re.compile(r"(?P<dtype>[a-z]+\d*)\[(?P<dims>[\d,]*)\]")
-
-
-def _type_bytes(type_text: str) -> int:
-  total = 0
-  for m in _ARRAY.finditer(type_text):
-    dims = [int(d) for d in m["dims"].split(",") if d]
-    total += math.prod(dims) * _DTYPE_BYTES.get(m["dtype"], 4)
-  return total
-
-
-def group_size(line: str, num_devices: int) -> int:
-  """Devices per replica group of one HLO collective (all of them if unstated)."""
-  m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]\s*\{(?P<used>[^}]*)\}", line)
-  if m:  # replica_groups=mesh['a'=8,'b'=1] {'a'}
-    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m["axes"])}
-    return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", m["used"]))
-  m = re.search(r"replica_groups=\[(?P<shape>[\d,]+)\]<=", line)
-  if m:  # iota form: replica_groups=[groups,size]<=[...]
-    return int(m["shape"].split(",")[-1])
-  m = re.search(r"replica_groups=\{\{(?P<first>[\d,]*)\}", line)
-  if m:
-    return len(m["first"].split(","))
-  return num_devices
-
-
-def _wire_bytes(op: str, result: int, g: int) -> float:
-  """Bytes each device sends with ring algorithms (the bandwidth-optimal collectives)."""
-  if g <= 1:
-    return 0.0
-  frac = (g - 1) / g
-  if op == "all-reduce":
-    return 2 * result * frac
-  if op == "all-gather":         # result is the gathered array
-    return result * frac
-  if op == "reduce-scatter":     # result is one shard of the reduced array
-    return result * g * frac
-  if op == "all-to-all":
-    return result * frac
-  return float(result)           # collective-permute: every device sends its buffer
-
-
-def loop_multipliers(hlo_text: str) -> dict[str, int]:
-  """How many times each HLO computation runs per call: while bodies run their
-  ``known_trip_count`` times (1 if unknown) the count of the computation that holds them."""
-  edges: dict[str, list[tuple[str, int]]] = {}
-  current, entry = None, None
-  for line in hlo_text.splitlines():
-    m = re.match(r"^(ENTRY )?%(\S+) \(", line)
-    if m:
-      current = m[2]
-      entry = current if m[1] else entry
-      continue
-    if current is None:
-      continue
-    body = re.search(r"\bbody=%([\w.\-]+)", line)
-    if body and " while(" in line:
-      trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
-      edges.setdefault(current, []).append((body[1], int(trip[1]) if trip else 1))
-    for callee in re.findall(r"\bcalls=%([\w.\-]+)", line):  # calls, async wrappers, fusions
-      edges.setdefault(current, []).append((callee, 1))
-  times: dict[str, int] = {}
-
-  def visit(name: str, mult: int) -> None:
-    times[name] = times.get(name, 0) + mult
-    for child, n in edges.get(name, ()):
-      visit(child, mult * n)
-
-  if entry is not None:
-    visit(entry, 1)
-  return times
-
-
-def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
-  """Per collective kind: ``count``, ``result_bytes`` (HLO shapes, per device) and
-  ``wire_bytes`` (ring bytes sent per device), plus a ``total`` entry; all per call of the
-  program: an op in a while body counts once per iteration (``known_trip_count``).
-  ``in_loops`` counts the ops (as written) that sit in loop bodies.
-  """
-  times = loop_multipliers(hlo_text)
-  out = {op: {"count": 0, "result_bytes": 0, "wire_bytes": 0.0, "in_loops": 0}
-         for op in COLLECTIVES}
-  current = None
-  for line in hlo_text.splitlines():
-    head = re.match(r"^(?:ENTRY )?%(\S+) \(", line)
-    if head:
-      current = head[1]
-      continue
-    m = _OP.search(line)
-    if not m:
-      continue
-    type_text = m["type"]
-    if m["start"] and type_text.startswith("("):
-      # async starts of gathers/permutes return (operand, result, ...): take the result
-      arrays = _ARRAY.findall(type_text)
-      type_text = "{}[{}]".format(*arrays[1]) if len(arrays) > 1 else type_text
-    result = _type_bytes(type_text)
-    g = group_size(line, num_devices)
-    mult = times.get(current, 1) if times else 1
-    entry = out[m["op"]]
-    entry["count"] += mult
-    entry["in_loops"] += int(mult > 1)
-    entry["result_bytes"] += result * mult
-    entry["wire_bytes"] += _wire_bytes(m["op"], result, g) * mult
-  out["total"] = {k: sum(out[op][k] for op in COLLECTIVES)
-                  for k in ("count", "result_bytes", "wire_bytes", "in_loops")}
-  return out
 
 
 # ------------------------------------------------------------------------------ formats

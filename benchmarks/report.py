@@ -22,6 +22,19 @@ def results(sections: list[Section], meta: dict[str, Any]) -> dict[str, Any]:
   }
 
 
+def merged(path: Path, new: dict[str, Any], order: list[str]) -> dict[str, Any]:
+  """``new``'s sections replacing those of the same name in the results at ``path`` (others
+  kept; sections in ``order``); ``meta`` records which sections this run measured."""
+  if not path.exists():
+    return new
+  old = json.loads(path.read_text())
+  by_name = {s["name"]: s for s in old.get("sections", [])}
+  by_name.update({s["name"]: s for s in new["sections"]})
+  meta = dict(old.get("meta", {}), last_run=dict(new["meta"], sections=[
+      s["name"] for s in new["sections"]]))
+  return {"meta": meta, "sections": [by_name[n] for n in order if n in by_name]}
+
+
 def write_json(data: dict[str, Any], path: Path) -> None:
   path.parent.mkdir(parents=True, exist_ok=True)
   path.write_text(json.dumps(data, indent=1, default=float) + "\n")

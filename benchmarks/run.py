@@ -2,7 +2,8 @@
 
 ``python -m benchmarks`` (the full run, < 10 min on 2 cores) or ``--quick`` (tiny shapes,
 a smoke run); ``--only xmap_vs_vmap,collectives`` picks sections; ``--out DIR`` writes
-``DIR/results.json`` and ``DIR/plots/*.png`` (default: this folder).
+``DIR/results.json`` and ``DIR/plots/*.png`` (default: this folder); ``--merge`` replaces
+only the sections run in an existing ``results.json``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import jax  # noqa: E402
 from benchmarks import (  # noqa: E402
     accumulation,
     collectives,
+    papers,
     report,
     rules_resolution,
     serial_loop_memory,
@@ -32,7 +34,7 @@ from benchmarks import (  # noqa: E402
 )
 
 SECTIONS = (xmap_vs_vmap, serial_loop_memory, accumulation, rules_resolution, sharded_init,
-            train_step, collectives)
+            train_step, collectives, papers)
 HERE = Path(__file__).resolve().parent
 
 
@@ -67,6 +69,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
   p.add_argument("--only", default=",".join(names),
                  help=f"comma-separated sections, of: {', '.join(names)}")
   p.add_argument("--out", type=Path, default=HERE, help="folder for results.json and plots/")
+  p.add_argument("--merge", action="store_true",
+                 help="keep the other sections of an existing results.json (with --only)")
   args = p.parse_args(argv)
   args.only = [s.strip() for s in args.only.split(",") if s.strip()]
   unknown = [s for s in args.only if s not in names]
@@ -81,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
   sections = run_sections(args.only, args.quick)
   seconds = time.perf_counter() - start
   info = meta(args.quick, seconds)
-  report.write_json(report.results(sections, info), args.out / "results.json")
+  data = report.results(sections, info)
+  if args.merge:
+    data = report.merged(args.out / "results.json", data, [m.NAME for m in SECTIONS])
+  report.write_json(data, args.out / "results.json")
   pngs = report.plots(sections, args.out / "plots")
   print(f"named-partition / hand-written (jax {info['jax']}, {info['devices']} "
         f"{info['backend']} devices on {info['cpu_cores']} cores"

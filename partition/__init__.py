@@ -51,6 +51,7 @@ from partition._audit import ReplicatedWarning as ReplicatedWarning
 from partition._optim import OptimizerStateError as OptimizerStateError
 from partition._optim import optimizer_axes as optimizer_axes
 from partition._optim import optimizer_init as optimizer_init
+from partition._hlo import collective_stats as collective_stats
 from partition._warnings import PartitionWarning as PartitionWarning
 
 # --- helpers for packages built on partition (layers/, recipes/): one message layout ---

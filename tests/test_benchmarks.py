@@ -1,7 +1,7 @@
 """The benchmark suite's quick mode: output structure, and every pair agreeing numerically.
 
-Timing ratios are not asserted (they depend on the machine); the collective-byte parser is
-checked against programs whose collectives are known.
+Timing ratios are not asserted (they depend on the machine); the collective-byte counting
+(``partition.collective_stats``) is tested in tests/partition/test_hlo.py.
 """
 
 import json
@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import partition
 from benchmarks import common, run
 
 ROW_KEYS = {"section", "workload", "metric", "ours", "baseline", "unit", "target", "note",
@@ -87,55 +88,6 @@ def test_unknown_section_is_rejected(capsys):
   assert "unknown section(s) ['nope']" in capsys.readouterr().err
 
 
-# --------------------------------------------------------------------- HLO byte counting
-
-
-def _compiled(f, x, in_spec, out_spec, mesh):
-  return jax.jit(f, in_shardings=NamedSharding(mesh, in_spec),
-                 out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile()
-
-
-def test_collectives_count_an_all_gather():
-  mesh = common.auto_mesh((8,), ("d",))
-  x = jnp.ones((64, 32), jnp.float32)
-  c = common.collectives(_compiled(lambda v: v * 2, x, P("d"), P(), mesh).as_text(), 8)
-  assert c["all-gather"]["count"] == 1
-  assert c["all-gather"]["result_bytes"] == 64 * 32 * 4
-  assert c["total"]["wire_bytes"] == pytest.approx(64 * 32 * 4 * 7 / 8)
-
-
-def test_collectives_count_an_all_reduce_over_a_sub_group():
-  mesh = common.auto_mesh((4, 2), ("a", "b"))
-  x = jnp.ones((16, 8), jnp.float32)
-  c = common.collectives(_compiled(lambda v: v.sum(0), x, P("a"), P(), mesh).as_text(), 8)
-  assert c["all-reduce"]["count"] == 1
-  assert c["all-reduce"]["result_bytes"] == 8 * 4
-  assert c["total"]["wire_bytes"] == pytest.approx(2 * 8 * 4 * 3 / 4)  # groups of 4
-
-
-@pytest.mark.parametrize("line, size", [
-    ("x = f32[8] all-reduce(y), replica_groups={{0,1},{2,3},{4,5},{6,7}}", 2),
-    ("x = f32[8] all-reduce(y), replica_groups=[2,4]<=[8]", 4),
-    ("x = f32[8] all-reduce(y), replica_groups=mesh['a'=4,'b'=2] {'a','b'}", 8),
-    ("x = f32[8] all-reduce(y), replica_groups=mesh['a'=4,'b'=2] {'b'}", 2),
-    ("x = f32[8] all-reduce(y), replica_groups={}", 8),
-])
-def test_group_size_forms(line, size):
-  assert common.group_size(line, 8) == size
-
-
-def test_reduce_scatter_and_tuple_bytes():
-  text = "\n".join([
-      "%rs = bf16[4,8]{1,0} reduce-scatter(%p), replica_groups=[1,8]<=[8], dimensions={0}",
-      "%ar = (f32[10]{0}, f32[6]{0}) all-reduce(%a, %b), replica_groups=[1,2]<=[2]",
-  ])
-  c = common.collectives(text, 8)
-  assert c["reduce-scatter"]["result_bytes"] == 4 * 8 * 2
-  assert c["reduce-scatter"]["wire_bytes"] == pytest.approx(4 * 8 * 2 * 8 * 7 / 8)
-  assert c["all-reduce"]["result_bytes"] == 16 * 4
-  assert c["all-reduce"]["wire_bytes"] == pytest.approx(2 * 16 * 4 * 1 / 2)
-
-
 def test_compact_table_for_the_readme(quick_run):
   from benchmarks import report
 
@@ -149,30 +101,52 @@ def test_compact_table_for_the_readme(quick_run):
   assert set(statuses) <= {"PASS", "MISS"}
 
 
-def test_async_collectives_count_once_with_their_result():
-  """GPU HLO: ``*-start`` ops (gathers return (operand, result)), ``*-done`` not counted."""
-  text = "\n".join([
-      "%ags = (f32[4,8]{1,0}, f32[32,8]{1,0}) all-gather-start(%p), replica_groups=[1,8]<=[8]",
-      "%agd = f32[32,8]{1,0} all-gather-done(%ags)",
-      "%ars = f32[16]{0} all-reduce-start(%q), replica_groups=[1,8]<=[8], to_apply=%add",
-      "%ard = f32[16]{0} all-reduce-done(%ars)",
-  ])
-  c = common.collectives(text, 8)
-  assert c["all-gather"] == {"count": 1, "result_bytes": 32 * 8 * 4, "in_loops": 0,
-                             "wire_bytes": pytest.approx(32 * 8 * 4 * 7 / 8)}
-  assert c["all-reduce"]["count"] == 1 and c["all-reduce"]["result_bytes"] == 16 * 4
+def test_papers_section_reduces_data_parallel_gradients_once(quick_run):
+  _, data = quick_run
+  series = {s["name"]: s for s in data["sections"]}["papers"]["series"]["papers"]
+  assert set(series) == {"tensor_parallel", "data_parallel k=4"}
+  dp = series["data_parallel k=4"]
+  assert dp["collectives_ours"]["all-reduce"]["data"]["count"] == 1
+  assert dp["collectives_hand_written"]["all-reduce"]["data"]["count"] == 4  # per micro-batch
+  assert dp["argument_bytes"] == dp["argument_analytic"]
 
 
-def test_collectives_in_a_loop_count_per_iteration():
-  """A psum inside a 4-step lax.scan runs 4 times per call (known_trip_count)."""
-  mesh = common.auto_mesh((8,), ("d",))
+def test_papers_formulas_by_hand():
+  import layers
+  import numpy as np
 
-  def f(x):  # x: [8, 4] sharded on rows; each step all-reduces a [4] partial sum
-    def step(acc, i):
-      return acc + jax.lax.with_sharding_constraint((x * i).sum(0), NamedSharding(mesh, P())), None
-    return jax.lax.scan(step, jnp.zeros(4), jnp.arange(4.0))[0]
+  from benchmarks import papers
 
-  text = _compiled(f, jnp.ones((8, 4)), P("d"), P(), mesh).as_text()
-  c = common.collectives(text, 8)
-  assert c["all-reduce"]["count"] == 4 and c["all-reduce"]["in_loops"] == 1
-  assert c["all-reduce"]["result_bytes"] == 4 * 4 * 4
+  cfg = layers.TransformerConfig(vocab_size=16, embed_dim=8, mlp_dim=16, num_heads=2,
+                                 num_kv_heads=1, head_dim=4, num_layers=2, num_experts=4,
+                                 experts_per_token=2)
+  # Megatron: (4 L + 2) all-reduces of [16 tokens, 8] floats over 2 devices
+  assert papers.megatron_bytes(cfg, 16, 2) == (4 * 2 + 2) * 2 * 16 * 8 * 4 / 2
+  # K and V of 32 tokens, 1 kv head of 4: gathered and reduce-scattered over 4, per layer
+  assert papers.sequence_bytes(cfg, 32, 4) == 2 * 2 * 2 * (32 * 4 * 4) * 3 / 4
+  # 2 rows x 4 experts x capacity ceil(1.25 * 8 * 2 / 4) = 5 slots x 8, 4 all-to-alls a layer
+  assert papers.expert_bytes(cfg, 2, 8, 4) == 2 * 4 * (2 * 4 * 5 * 8 * 4) * 3 / 4
+  mesh = common.auto_mesh((2, 4), ("data", "fsdp"))
+  rules = partition.AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp")])
+  params = {"w": np.zeros((8, 4), np.float32), "b": np.zeros((4,), np.float32)}
+  axes = {"w": ("embed", "mlp"), "b": ("mlp",)}
+  w, b = 8 * 4 * 4, 4 * 4
+  # w (FSDP over 4): gather 3/4 w, reduce-scatter 3/4 w (k times), all-reduce w/4 over data;
+  # b replicated: one all-reduce over all 8 devices, whatever k
+  for k in (1, 4):
+    want = w * 3 / 4 + k * (w * 3 / 4 + 2 * (w / 4) / 2) + 2 * b * 7 / 8
+    assert papers.zero_bytes(axes, params, rules, mesh, ("data", "fsdp"), k) == \
+        pytest.approx(want)
+
+
+def test_merge_keeps_the_other_sections(tmp_path):
+  from benchmarks import report
+
+  path = tmp_path / "results.json"
+  path.write_text(json.dumps({"meta": {"quick": False}, "sections": [
+      {"name": "a", "rows": [1]}, {"name": "b", "rows": [2]}]}))
+  new = {"meta": {"quick": True}, "sections": [{"name": "b", "rows": [3]},
+                                               {"name": "c", "rows": [4]}]}
+  out = report.merged(path, new, ["a", "b", "c"])
+  assert [s["rows"] for s in out["sections"]] == [[1], [3], [4]]
+  assert out["meta"]["quick"] is False and out["meta"]["last_run"]["sections"] == ["b", "c"]
