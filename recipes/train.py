@@ -364,6 +364,7 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=sys.stdout,
       periodic = config.checkpoint_every and done % config.checkpoint_every == 0
       stop = signals.agreed() if done < config.steps else None
       if periodic or stop or done == config.steps:
+        metrics_log.flush()  # the log reaches every checkpoint a resumed run may start from
         ckpt.save(done, run.state, run.state_axes, extra)
       if stop:
         metrics_log.flush()
