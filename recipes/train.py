@@ -339,9 +339,12 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=sys.stdout,
   with rundir.StopSignals() as signals, report.progress(
       config.steps, start, mode=mode if primary else None, every=config.log_every,
       stream=log) as bar:
+    batch = run.data.batch(start) if start < config.steps else None
     for step in range(start, config.steps):
-      run.state, metrics = run.train_step(run.state, run.data.batch(step))
+      run.state, metrics = run.train_step(run.state, batch)
       done = step + 1
+      if done < config.steps:  # read the next batch while the device runs this step
+        batch = run.data.batch(done)
       record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
       timer.tick(done)
       record["tokens_per_s"] = timer.rate

@@ -352,7 +352,7 @@ def test_resume_checks_the_model_and_reshards(tmp_path):
                         log=log)
   assert "resumed from step 2" in log.getvalue() and "resharded: preset fsdp_tp -> fsdp" \
       in log.getvalue()
-  assert [r["step"] for r in map(json.loads, (first / "metrics.jsonl").read_text().split())] \
+  assert [r["step"] for r in map(json.loads, (first / "metrics.jsonl").read_text().splitlines())] \
       == [1, 2, 3]
   assert summary["resumed_from"] == 2 and summary["eval_loss"] is not None
   # a step that already has a checkpoint is written again, not an orbax error
