@@ -296,8 +296,8 @@ class Stopped(Exception):
     self.step, self.exit_code = step, exit_code
 
 
-def train(config: TrainConfig, *, progress: bool | str = True, out=sys.stdout,
-          log=sys.stderr) -> dict[str, Any]:
+def train(config: TrainConfig, *, progress: bool | str = True, out=None,
+          log=None) -> dict[str, Any]:
   """Runs training; returns the summary (also printed to ``out`` and written to out_dir).
 
   A new run (``resume=false``) refuses an ``out_dir`` that holds another run; ``resume=true``
@@ -310,8 +310,9 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=sys.stdout,
     config: the run.
     progress: ``True`` or ``'bar'``: a rich progress bar; ``'log'``: a line on ``log`` every
       ``log_every`` steps; ``False``: silent.
-    out: where the summary table goes.
-    log: where progress lines and notes (``resumed from step N of DIR``) go.
+    out: where the summary table goes (default: ``sys.stdout``).
+    log: where progress lines and notes (``resumed from step N of DIR``) go (default:
+      ``sys.stderr``).
   """
   import jax
   import numpy as np
@@ -320,6 +321,8 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=sys.stdout,
   from recipes import report
   from recipes import rundir
 
+  out = sys.stdout if out is None else out
+  log = sys.stderr if log is None else log
   out_dir = pathlib.Path(config.out_dir)
   # In a multi-process run every process trains; process 0 alone writes and prints.
   primary = jax.process_index() == 0
