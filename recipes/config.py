@@ -235,7 +235,10 @@ def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig | None:
       problems.append(f"{name} must be a mapping of {cls.__name__} fields, got {section!r}")
       kwargs.pop(name, None)
       continue
+    before = len(problems)
     fields = _check_fields(cls, section, f"{name}.", problems)
+    if len(problems) > before:
+      continue  # the section's own field errors say it all
     try:
       kwargs[name] = cls(**fields)
     except (TypeError, ValueError) as e:
@@ -293,6 +296,11 @@ def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
     ok = isinstance(value, int) and not isinstance(value, bool)
     return (value, None) if ok else (None, "expected an integer")
   if hint is float:
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+      try:
+        return float(value), None
+      except ValueError:
+        pass
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return (float(value), None) if ok else (None, "expected a number")
   if hint is str:

@@ -81,6 +81,15 @@ def test_model_errors_give_command_line_advice():
   assert "dataclasses.replace" not in message
 
 
+def test_numbers_in_e_notation_and_one_message_per_mistake():
+  # YAML 1.1 reads 1e-3 as a string; the README's optimizer.learning_rate=1e-3 must work
+  assert load_config(overrides=["optimizer.learning_rate=1e-3"]).optimizer.learning_rate == 1e-3
+  with pytest.raises(TrainConfigError) as e:
+    load_config(overrides=["optimizer.learning_rate=fast"])
+  assert "config: 1 problem(s)." in str(e.value)
+  assert "optimizer.learning_rate='fast': expected a number" in str(e.value)
+
+
 def test_default_yaml_is_the_one_source_of_defaults():
   with pytest.raises(TypeError):  # the dataclasses hold no second set of defaults
     config_lib.TrainConfig()
