@@ -207,10 +207,11 @@ def plan(config, *, compile: bool = True,
   Example:
     >>> from recipes.config import load_config
     >>> from recipes.explain import plan
-    >>> cfg = load_config(overrides=['model.num_layers=1', 'mesh={data: -1}'])
+    >>> cfg = load_config(overrides=['model.num_layers=1', 'preset=data_parallel',
+    ...                              'mesh={data: -1}'])
     >>> p = plan(cfg, compile=False)
     >>> p.totals()['num_params'], p.params.rows[0].path, p.params.rows[0].logical_axes
-    (11360, 'blocks_0/attn/key/kernel', ('embed', 'kv_heads', 'head_dim'))
+    (38080, 'blocks_0/attn/key/kernel', ('embed', 'kv_heads', 'head_dim'))
     >>> p.params.bytes_per_device == p.params.total_bytes  # only 'data': params replicated
     True
   """
