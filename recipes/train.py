@@ -318,8 +318,7 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
   import numpy as np
 
   from recipes import checkpoint as ckpt_lib
-  from recipes import report
-  from recipes import rundir
+  from recipes import report, rundir
 
   out = sys.stdout if out is None else out
   log = sys.stderr if log is None else log

@@ -2,6 +2,11 @@
 
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
+
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -20,13 +25,6 @@ def test_readme_test_command_is_what_ci_runs():
 
 
 # -- the README's commands, verbatim ---------------------------------------------------------
-
-import io  # noqa: E402
-import shlex  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 # Appended to every training command: the test is about each command's parsing and checks
 # (every key it names is still set as written; these only make the model and the run tiny).

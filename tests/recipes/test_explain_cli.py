@@ -195,6 +195,7 @@ def _peak_bytes(proc) -> int:
   return int(proc.stderr.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024
 
 
+@pytest.mark.slow
 def test_devices_16_in_a_subprocess(planned):
   plan8, _ = planned
   proc = _run_cli("--devices", "16", "--json", *TINY, "mesh={data: -1, fsdp: 2, tensor: 2}")
@@ -235,6 +236,7 @@ def test_python_m_recipes_lists_and_dispatches(capsys):
   assert "Give one axis -1 to fill them" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_planning_a_big_model_allocates_nothing():
   """A 0.55 B-parameter plan (2.2 GB of params, 6.6 GB with AdamW) compiled for 8 devices in a
   process whose peak memory stays far below the params: nothing was materialised."""

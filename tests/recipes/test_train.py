@@ -19,7 +19,8 @@ import pytest
 import yaml
 
 import partition
-from recipes import checkpoint, config as config_lib, data, train
+from recipes import checkpoint, data, train
+from recipes import config as config_lib
 from recipes.config import TrainConfigError, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
