@@ -16,7 +16,7 @@ COMMANDS = ("train", "explain", "export")
 def _summary(command: str) -> str:
   module = importlib.import_module(f"recipes.{command}")
   first = (module.__doc__ or "").strip().splitlines()[0]
-  return first.split(" (``")[0].rstrip(".") + "."
+  return first.split(" (``")[0].rstrip(".").replace("``", "") + "."
 
 
 def usage() -> str:

@@ -62,7 +62,13 @@ class Checkpointer:
                        "meta": ocp.JsonCheckpointHandler()})
 
   def save(self, step: int, state: Any, axes: Any, extra: dict[str, Any] | None = None) -> None:
-    """Saves ``state`` (returns at once: the write finishes in the background)."""
+    """Saves ``state`` (returns at once: the write finishes in the background).
+
+    A checkpoint already at ``step`` (a resumed run reaching it again) is replaced: the
+    newest state of a step wins, and orbax never sees a duplicate step."""
+    if step in self.manager.all_steps():
+      self.manager.wait_until_finished()
+      self.manager.delete(step)
     meta = {"logical_axes": axes_by_path(state, axes), **(extra or {})}
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)), force=True)

@@ -9,7 +9,7 @@ Traceback (most recent call last):
 ...
 recipes.config.TrainConfigError: config: 1 problem(s).
   * unknown key 'stpes'. Did you mean 'steps'?
-Valid keys: batch_size, checkpoint_every, data.*, distributed.*, eval_batches, ...
+Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML file. ...
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import os
 import pathlib
 import types
 import typing
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -28,6 +29,7 @@ from partition import PartitionError, format_message
 from recipes._hints import did_you_mean
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
+DEFAULT_CONFIG = CONFIGS / "default.yaml"
 PRESETS = pathlib.Path(__file__).resolve().parent / "presets"
 FRAMEWORKS = ("linen", "nnx", "haiku")
 TASKS = ("copy", "reverse", "sort")
@@ -39,24 +41,27 @@ class TrainConfigError(PartitionError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with linear warmup and cosine decay, and global-norm gradient clipping."""
+  """AdamW with linear warmup and cosine decay, and global-norm gradient clipping.
 
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  min_lr_ratio: float = 0.1   # final learning rate / peak
-  weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.98
-  clip_norm: float = 1.0      # 0 disables clipping
+  The values live in ``recipes/configs/default.yaml`` (the one source of defaults)."""
+
+  learning_rate: float
+  warmup_steps: int
+  min_lr_ratio: float         # final learning rate / peak
+  weight_decay: float
+  b1: float
+  b2: float
+  clip_norm: float            # 0 disables clipping
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """A synthetic digit task (``task``), or a byte-level LM on a local text file (``path``)."""
+  """A synthetic digit task (``task``), or language modelling on a local file (``path``):
+  a ``.npy`` file of token ids (a tokenizer's output), any other file byte-level."""
 
-  task: str = "reverse"       # copy | reverse | sort
-  path: str | None = None     # a text file: byte-level language modelling instead
-  digits: int = 10            # symbols of the synthetic tasks
+  task: str                   # copy | reverse | sort
+  path: str | None            # a .npy of token ids, or a file read byte-level
+  digits: int                 # symbols of the synthetic tasks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,28 +76,28 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-  """Everything a run depends on. See ``recipes/configs/default.yaml`` for the defaults."""
+  """Everything a run depends on. The defaults are ``recipes/configs/default.yaml`` (the one
+  source: ``load_config`` always starts from it), so the fields have none here."""
 
-  framework: str = "linen"
-  preset: str = "fsdp_tp"           # a name in recipes/presets or a rules file path
-  rules: tuple[str, ...] = ()       # overrides of the preset, e.g. ('mlp=tensor',)
-  mesh: dict[str, int] = dataclasses.field(default_factory=lambda: {"data": 2, "fsdp": 2,
-                                                                    "tensor": 2})
-  microbatches: int | None = None  # None: the serial loops the preset gives 'batch', else 1
-  steps: int = 200
-  batch_size: int = 32
-  seq_len: int = 16
-  seed: int = 0
-  eval_every: int = 50
-  eval_batches: int = 4
-  log_every: int = 10
-  checkpoint_every: int = 100       # 0: only at the end
-  out_dir: str = "runs/default"
-  resume: bool = False
-  plot: bool = True
-  model: layers.TransformerConfig = dataclasses.field(default_factory=layers.TransformerConfig)
-  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  framework: str
+  preset: str                       # a name in recipes/presets or a rules file path
+  rules: tuple[str, ...]            # overrides of the preset, e.g. ('mlp=tensor',)
+  mesh: dict[str, int]
+  microbatches: int | None          # None: the serial loops the preset gives 'batch', else 1
+  steps: int
+  batch_size: int
+  seq_len: int
+  seed: int
+  eval_every: int
+  eval_batches: int
+  log_every: int
+  checkpoint_every: int             # 0: only at the end
+  out_dir: str
+  resume: bool
+  plot: bool
+  model: layers.TransformerConfig
+  optimizer: OptimizerConfig
+  data: DataConfig
   distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
   def to_dict(self) -> dict[str, Any]:
@@ -108,7 +113,13 @@ _SECTIONS = {"model": layers.TransformerConfig, "optimizer": OptimizerConfig,
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
                 ) -> TrainConfig:
-  """The default config, updated by the YAML file ``path`` then by ``overrides``.
+  """``recipes/configs/default.yaml``, updated by the YAML file ``path`` then by ``overrides``.
+
+  ``default.yaml`` is the one source of defaults: every run starts from it, so a file given
+  with ``--config`` needs only the keys it changes. One key depends on who set it:
+  ``microbatches`` from ``default.yaml`` applies only to presets without their own serial
+  loop on ``batch`` (``preset=microbatch`` runs its 4-step loop); set in ``path`` or an
+  override it always applies, replacing a preset's loop.
 
   Args:
     path: a YAML file with any subset of the keys (nested sections for ``model``,
@@ -119,9 +130,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
   Raises:
     TrainConfigError: listing every unknown key (with a "did you mean") and ill-typed value.
   """
-  raw: dict[str, Any] = {}
-  if path is not None:
-    raw = _read(path)
+  raw = _read(DEFAULT_CONFIG)
+  user: dict[str, Any] = {}
+  if path is not None and pathlib.Path(path).resolve() != DEFAULT_CONFIG:
+    user = _read(path)
   problems: list[str] = []
   for item in overrides:
     key, sep, value = str(item).partition("=")
@@ -133,13 +145,30 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     except yaml.YAMLError as e:
       problems.append(f"override {item!r}: the value is not valid YAML ({e.problem})")
       continue
-    _set_dotted(raw, key.strip(), parsed)
+    _set_dotted(user, key.strip(), parsed)
+  _merge(raw, user)
+  if "microbatches" not in user and isinstance(raw.get("preset"), str):
+    try:
+      if serial_loops(preset_rules(raw["preset"])):
+        raw["microbatches"] = None  # the preset's own loop, not default.yaml's count
+    except PartitionError:
+      pass  # an unknown preset is reported when the rules are built
   config = _build(raw, problems)
   if problems:
     raise TrainConfigError(format_message(
         f"config{f' {path}' if path else ''}: {len(problems)} problem(s).", bullets=problems,
-        fix=f"Valid keys: {', '.join(_valid_keys())}."))
+        fix="Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML "
+            f"file. Valid keys: {', '.join(_valid_keys())}."))
   return config
+
+
+def _merge(base: dict, update: dict) -> None:
+  """``update`` into ``base``, section by section (a section replaces only its own keys)."""
+  for key, value in update.items():
+    if key in _SECTIONS and isinstance(value, dict) and isinstance(base.get(key), dict):
+      _merge(base[key], value)
+    else:
+      base[key] = value
 
 
 def _read(path) -> dict[str, Any]:
@@ -171,11 +200,34 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
 
 
 def _valid_keys() -> list[str]:
-  return sorted(f.name + (".*" if f.name in _SECTIONS else "")
-                for f in dataclasses.fields(TrainConfig))
+  """Every key, sections spelled out: ``optimizer.{learning_rate, warmup_steps, ...}``."""
+  out = []
+  for f in dataclasses.fields(TrainConfig):
+    if f.name in _SECTIONS:
+      names = [g.name for g in dataclasses.fields(_SECTIONS[f.name])]
+      out.append(f"{f.name}.{{{', '.join(names)}}}")
+    else:
+      out.append(f.name)
+  return sorted(out)
 
 
-def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig:
+def suggest(word: str, options: Sequence[str]) -> str:
+  """`` Did you mean 'x'?``: the closest spelling, else the option ``word`` abbreviates
+  (``lr`` -> ``learning_rate``: its initials; ``warmup`` -> ``warmup_steps``: a prefix).
+
+  >>> suggest('lr', ['learning_rate', 'warmup_steps'])
+  " Did you mean 'learning_rate'?"
+  """
+  close = did_you_mean(word, options)
+  if close or not word:
+    return close
+  initials = [o for o in options if "".join(p[:1] for p in o.split("_")) == word]
+  prefixed = [o for o in options if len(word) >= 2 and o.startswith(word)]
+  found = initials or prefixed
+  return f" Did you mean {found[0]!r}?" if len(found) == 1 else ""
+
+
+def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig | None:
   kwargs = _check_fields(TrainConfig, raw, "", problems)
   for name, cls in _SECTIONS.items():
     section = raw.get(name, {})
@@ -183,17 +235,30 @@ def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig:
       problems.append(f"{name} must be a mapping of {cls.__name__} fields, got {section!r}")
       kwargs.pop(name, None)
       continue
+    before = len(problems)
     fields = _check_fields(cls, section, f"{name}.", problems)
+    if len(problems) > before:
+      continue  # the section's own field errors say it all
     try:
       kwargs[name] = cls(**fields)
     except (TypeError, ValueError) as e:
-      problems.append(f"{name}: {e}")
+      problems.extend(_section_problems(name, e))
       kwargs.pop(name, None)
   if problems:
-    return TrainConfig()
+    return None
   config = TrainConfig(**kwargs)
   problems.extend(_semantic_problems(config))
   return config
+
+
+def _section_problems(section: str, error: Exception) -> list[str]:
+  """A section class's own error as ``section.key`` bullets: the command line's words, not
+  the Python API's (``model.num_heads=3 ...``, never ``dataclasses.replace``)."""
+  bullets = [line.strip()[2:] for line in str(error).splitlines()
+             if line.strip().startswith("* ")]
+  if not bullets:
+    return [f"{section}: {error}"]
+  return [f"{section}.{b}" for b in bullets]
 
 
 def _check_fields(cls, raw: dict, prefix: str, problems: list[str]) -> dict[str, Any]:
@@ -202,8 +267,9 @@ def _check_fields(cls, raw: dict, prefix: str, problems: list[str]) -> dict[str,
   out = {}
   for key, value in raw.items():
     if key not in fields:
+      valid = f" Valid keys of {prefix[:-1]}: {', '.join(fields)}." if prefix else ""
       problems.append(f"unknown key {prefix + str(key)!r}."
-                      f"{did_you_mean(str(key), list(fields))}")
+                      f"{suggest(str(key), list(fields))}{valid}")
       continue
     if key in _SECTIONS and not prefix:
       continue
@@ -230,6 +296,11 @@ def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
     ok = isinstance(value, int) and not isinstance(value, bool)
     return (value, None) if ok else (None, "expected an integer")
   if hint is float:
+    if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+      try:
+        return float(value), None
+      except ValueError:
+        pass
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     return (float(value), None) if ok else (None, "expected a number")
   if hint is str:
@@ -291,3 +362,72 @@ def preset_path(preset: str) -> pathlib.Path:
   names = sorted(p.stem for p in PRESETS.glob("*.yaml"))
   raise TrainConfigError(f"preset={preset!r} is neither a preset ({', '.join(names)}) nor an "
                          f"existing rules file.{did_you_mean(preset, names)}")
+
+
+# Each built-in preset's mesh, as the README's preset table gives it (the error messages
+# suggest these; tests run every preset on its mesh).
+PRESET_MESHES = {
+    "data_parallel": {"data": 8},
+    "fsdp": {"data": 2, "fsdp": 4},
+    "tensor_parallel": {"data": 4, "tensor": 2},
+    "fsdp_tp": {"data": 2, "fsdp": 2, "tensor": 2},
+    "sequence_parallel": {"data": 2, "sequence": 4},
+    "expert_parallel": {"data": 2, "expert": 4},
+    "microbatch": {"data": 8},
+}
+BATCH_AXIS = "batch"
+
+
+def preset_rules(preset: str):
+  """The ``partition.AxisRules`` of a preset name or rules file."""
+  import partition
+  return partition.AxisRules.from_file(preset_path(preset))
+
+
+def _entries(rules) -> list[list]:
+  return rules.to_dict()["rules"]
+
+
+def _resources(value) -> list:
+  return value if isinstance(value, list) else [value]
+
+
+def serial_loops(rules) -> tuple[int, ...]:
+  """The serial-loop lengths of the first ``batch`` entry of ``rules`` (``()``: none).
+
+  >>> serial_loops(preset_rules('microbatch')), serial_loops(preset_rules('fsdp'))
+  ((4,), ())
+  """
+  first = next((value for name, value in _entries(rules) if name == BATCH_AXIS), None)
+  return tuple(r["serial_loop"] for r in _resources(first) if isinstance(r, dict))
+
+
+def without_serial_loops(rules):
+  """``rules`` with the serial loops removed from its ``batch`` entries (an explicit
+  ``microbatches`` replaces a preset's loop)."""
+  import partition
+  entries = []
+  for name, value in _entries(rules):
+    if name == BATCH_AXIS and isinstance(value, list):
+      value = [r for r in value if not isinstance(r, dict)] or None
+    elif name == BATCH_AXIS and isinstance(value, dict):
+      value = None
+    entries.append([name, value])
+  return partition.AxisRules.from_dict({**rules.to_dict(), "rules": entries})
+
+
+def mesh_axes_of(rules) -> list[str]:
+  """The mesh axes ``rules`` shard over, in the order they first appear."""
+  out: list[str] = []
+  for _, value in _entries(rules):
+    for r in _resources(value):
+      if isinstance(r, str) and r not in out:
+        out.append(r)
+  return out
+
+
+def example_mesh(preset: str, axes: Sequence[str]) -> str:
+  """A mesh for ``preset`` as a command-line value: the README's for a built-in preset, else
+  one with every axis of ``axes`` (the first fills the devices)."""
+  sizes = PRESET_MESHES.get(preset) or {a: -1 if i == 0 else 2 for i, a in enumerate(axes)}
+  return "mesh='{" + ", ".join(f"{k}: {v}" for k, v in sizes.items()) + "}'"

@@ -207,10 +207,11 @@ def plan(config, *, compile: bool = True,
   Example:
     >>> from recipes.config import load_config
     >>> from recipes.explain import plan
-    >>> cfg = load_config(overrides=['model.num_layers=1', 'mesh={data: -1}'])
+    >>> cfg = load_config(overrides=['model.num_layers=1', 'preset=data_parallel',
+    ...                              'mesh={data: -1}'])
     >>> p = plan(cfg, compile=False)
     >>> p.totals()['num_params'], p.params.rows[0].path, p.params.rows[0].logical_axes
-    (11360, 'blocks_0/attn/key/kernel', ('embed', 'kv_heads', 'head_dim'))
+    (38080, 'blocks_0/attn/key/kernel', ('embed', 'kv_heads', 'head_dim'))
     >>> p.params.bytes_per_device == p.params.total_bytes  # only 'data': params replicated
     True
   """
@@ -249,8 +250,10 @@ def render(p: Plan, out=sys.stdout) -> None:
                       f"({p.mesh.size} {p.mesh.devices.flat[0].platform} devices)")
   for name in ("parameter", "shape", "dtype", "logical axes", "spec", "per device", "total",
                "optimizer per device"):
+    # long names wrap inside their cell (fold): a path is never cut short
     table.add_column(name, justify="right" if name in ("per device", "total",
-                                                       "optimizer per device") else "left")
+                                                       "optimizer per device") else "left",
+                     overflow="fold")
   for r in p.params.rows:
     axes = "-" if r.logical_axes is None else ", ".join(map(str, r.logical_axes))
     spec = str(r.spec) + (" [red](replicated)[/red]" if r.replicated else "")
@@ -299,7 +302,7 @@ def _memory_table(m: Memory):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m recipes.explain", description=__doc__.splitlines()[0],
+      prog="python -m recipes.explain", description=__doc__.splitlines()[0].replace("``", ""),
       epilog="Overrides are key=value with dotted keys, as for python -m recipes.train.")
   parser.add_argument("--config", help="a YAML config (default: recipes/configs/default.yaml)")
   parser.add_argument("--devices", type=int, default=None, metavar="N",
@@ -339,13 +342,34 @@ def check_mesh_size(config, devices: int | None) -> None:
   fixed = math.prod(v for v in sizes if v > 0)
   fills = -1 in sizes
   if (fills and devices % fixed) or (not fills and fixed != devices):
-    example = ", ".join(f"{k}: {-1 if i == 0 else v}"
-                        for i, (k, v) in enumerate(config.mesh.items()))
     raise ExplainError(
         f"mesh={config.mesh} does not use the {devices} devices of --devices {devices} "
         f"(its sizes multiply to {fixed}{' and -1 cannot fill the rest' if fills else ''}). "
-        f"Give one axis -1 to fill them, e.g. mesh='{{{example}}}', or sizes whose product "
-        f"is {devices}.")
+        f"Give one axis -1 to fill them, e.g. {fitting_mesh(config.mesh, devices)}, or sizes "
+        f"whose product is {devices}.")
+
+
+def fitting_mesh(mesh: dict[str, int], devices: int) -> str:
+  """A command-line mesh close to ``mesh`` that uses exactly ``devices`` devices: its ``-1``
+  axis (else the first) fills, every other axis keeps the largest size <= its own that
+  still divides what is left.
+
+  >>> fitting_mesh({'data': 3, 'fsdp': -1}, 64)
+  "mesh='{data: 2, fsdp: -1}'"
+  >>> fitting_mesh({'data': 4, 'fsdp': 2, 'tensor': 2}, 16)
+  "mesh='{data: -1, fsdp: 2, tensor: 2}'"
+  """
+  names = list(mesh)
+  fill = next((k for k, v in mesh.items() if v == -1), names[0])
+  left, sizes = devices, {}
+  for name in names:
+    if name == fill:
+      continue
+    size = max(d for d in range(1, max(mesh[name], 1) + 1) if left % d == 0)
+    sizes[name] = size
+    left //= size
+  sizes[fill] = -1
+  return "mesh='{" + ", ".join(f"{k}: {sizes[k]}" for k in names) + "}'"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,4 +1,5 @@
-"""What a run shows and leaves behind: a progress bar, ``metrics.jsonl``, ``loss.png``, a summary.
+"""What a run shows and leaves behind: progress (a bar or log lines), ``metrics.jsonl``,
+``loss.png``, a summary.
 
 Every file is written atomically (``partition._io.atomic_write``): a crash never leaves a
 half-written metrics file or plot.
@@ -77,32 +78,82 @@ class Throughput:
       self.rate = (step - self.start[0]) * self.tokens_per_step / (now - self.start[1])
 
 
+def _fields(record: dict[str, Any]) -> str:
+  fields = f"loss {record['loss']:.4f}  {record.get('tokens_per_s', 0):,.0f} tok/s"
+  if "accuracy" in record and "eval_loss" in record:
+    fields += f"  eval acc {record['accuracy']:.3f}"
+  return fields
+
+
 class _Bar:
+  """A rich progress bar (a terminal)."""
+
   def __init__(self, progress, task):
     self.progress, self.task = progress, task
 
   def update(self, step: int, record: dict[str, Any]) -> None:
-    if self.progress is None:
+    self.progress.update(self.task, completed=step, fields=_fields(record))
+
+
+class _Silent:
+  def update(self, step: int, record: dict[str, Any]) -> None:
+    pass
+
+
+class _Lines:
+  """A line every ``every`` steps and at the last (CI logs, ``| tee``): step, loss,
+  tokens/s, ETA from the steps/s since the first logged step (compilation excluded)."""
+
+  def __init__(self, total: int, start: int, every: int, stream):
+    self.total, self.every, self.stream = total, every, stream
+    self.since: tuple[int, float] | None = None
+
+  def update(self, step: int, record: dict[str, Any]) -> None:
+    now = time.perf_counter()
+    if self.since is None:
+      self.since = (step, now)
+    if step % self.every and step != self.total:
       return
-    fields = f"loss {record['loss']:.4f}  {record.get('tokens_per_s', 0):,.0f} tok/s"
-    if "accuracy" in record and "eval_loss" in record:
-      fields += f"  eval acc {record['accuracy']:.3f}"
-    self.progress.update(self.task, completed=step, fields=fields)
+    done, elapsed = step - self.since[0], now - self.since[1]
+    eta = "-"
+    if done > 0 and elapsed > 0:
+      seconds = round((self.total - step) * elapsed / done)
+      eta = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    print(f"step {step}/{self.total}  {_fields(record)}  ETA {eta}", file=self.stream,
+          flush=True)
 
 
 @contextlib.contextmanager
-def progress_bar(total: int, start: int = 0, *, enabled: bool = True) -> Iterator[_Bar]:
-  """A rich progress bar with loss and tokens/s (``enabled=False``: silent)."""
-  if not enabled:
-    yield _Bar(None, None)
+def progress(total: int, start: int = 0, *, mode: str | None = "bar", every: int = 10,
+             stream=None) -> Iterator[Any]:
+  """Training progress: ``mode='bar'`` a rich bar (for a terminal), ``'log'`` a line on
+  ``stream`` every ``every`` steps, ``None`` nothing. Yields an object with
+  ``update(step, record)``.
+
+  Example:
+    >>> import io
+    >>> out = io.StringIO()
+    >>> with progress(4, mode='log', every=2, stream=out) as p:
+    ...   for step in range(1, 5):
+    ...     p.update(step, {'loss': 1.0 / step, 'tokens_per_s': 100.0})
+    >>> [line.split('  ETA')[0] for line in out.getvalue().splitlines()]
+    ['step 2/4  loss 0.5000  100 tok/s', 'step 4/4  loss 0.2500  100 tok/s']
+  """
+  if mode is None:
+    yield _Silent()
     return
+  if mode == "log":
+    yield _Lines(total, start, every, stream)
+    return
+  if mode != "bar":
+    raise ValueError(f"progress mode={mode!r} must be 'bar', 'log' or None")
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
              TextColumn("{task.fields[fields]}")]
-  with Progress(*columns) as progress:
-    task = progress.add_task("train", total=total, completed=start, fields="")
-    yield _Bar(progress, task)
+  with Progress(*columns) as bar:
+    task = bar.add_task("train", total=total, completed=start, fields="")
+    yield _Bar(bar, task)
 
 
 def plot_losses(records: list[dict[str, Any]], path: pathlib.Path) -> None:
@@ -160,7 +211,8 @@ def print_summary(summary: dict[str, Any], out) -> None:
       ("framework / preset", f"{summary['framework']} / {summary['preset']}"),
       ("mesh", mesh),
       ("micro-batches", str(summary["microbatches"])),
-      ("steps", str(summary["steps"])),
+      ("steps", str(summary["steps"]) + (f" (resumed from {summary['resumed_from']})"
+                                         if summary.get("resumed_from") else "")),
       ("final train loss", fmt(summary["final_loss"], ".4f")),
       ("eval loss", fmt(summary["eval_loss"], ".4f")),
       ("eval token accuracy", fmt(summary["accuracy"], ".3f")),

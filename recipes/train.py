@@ -4,10 +4,13 @@
 devices (virtual CPU devices when there is no accelerator). Every part is a config key:
 ``python -m recipes.train --config my.yaml framework=nnx preset=fsdp microbatches=4``.
 
-The step is ``partition.value_and_grad`` (micro-batched, sharded gradients) + optax AdamW
-under one ``jax.jit`` that donates the old state. Params and optimizer state are created
-directly in their shards. Metrics go to ``out_dir/metrics.jsonl`` (one object per step),
+The step (:func:`train_step`) is ``partition.value_and_grad`` (micro-batched, sharded
+gradients) + optax AdamW under one ``jax.jit`` that donates the old state. Params and optimizer
+state are created directly in their shards (:func:`init_model`). Input comes from Grain
+(``recipes/data.py``). Metrics go to ``out_dir/metrics.jsonl`` (one object per step),
 checkpoints to ``out_dir/checkpoints`` (orbax), the loss curve to ``out_dir/loss.png``.
+``recipes/rundir.py`` keeps runs apart (a fresh run refuses a used ``out_dir``; ``resume=true``
+checks the checkpoint fits) and turns SIGTERM / SIGINT into a checkpoint and a clean exit.
 """
 
 from __future__ import annotations
@@ -31,13 +34,21 @@ from recipes.config import TrainConfig, TrainConfigError, load_config  # noqa: E
 
 def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
   parser = argparse.ArgumentParser(
-      prog="python -m recipes.train", description=__doc__.splitlines()[0],
+      prog="python -m recipes.train", description=plain(__doc__.splitlines()[0]),
       epilog="Overrides are key=value with dotted keys, e.g. model.num_layers=4 "
-             "mesh='{data: 4, fsdp: 2}' optimizer.learning_rate=1e-3.")
-  parser.add_argument("--config", help="a YAML config (default: recipes/configs/default.yaml)")
+             "mesh='{data: 4, fsdp: 2}' optimizer.learning_rate=1e-3. A new run refuses an "
+             "out_dir that holds another run; resume=true continues it. SIGTERM/SIGINT stop "
+             "after the current step with a checkpoint.")
+  parser.add_argument("--config", help="a YAML file of the keys to change (every run starts "
+                                       "from recipes/configs/default.yaml)")
   parser.add_argument("overrides", nargs="*", help="key=value overrides")
   args = parser.parse_args(argv)
   return args.config, args.overrides
+
+
+def plain(text: str) -> str:
+  """A docstring line for a terminal: no reStructuredText literal markers."""
+  return text.replace("``", "")
 
 
 def default_config_path() -> pathlib.Path:
@@ -86,10 +97,60 @@ def make_mesh(config: TrainConfig):
 
 
 def make_rules(config: TrainConfig):
-  import partition
-  from recipes.config import preset_path
-  rules = partition.AxisRules.from_file(preset_path(config.preset))
+  """The preset's rules with ``config.rules`` applied. An explicit ``microbatches`` replaces
+  a serial loop the preset gives ``batch`` (``load_config`` leaves ``microbatches=None`` for
+  such presets unless the user set it)."""
+  from recipes.config import preset_rules, serial_loops, without_serial_loops
+  rules = preset_rules(config.preset)
+  if config.microbatches is not None and serial_loops(rules):
+    rules = without_serial_loops(rules)
   return rules.override(*config.rules) if config.rules else rules
+
+
+def effective_microbatches(config: TrainConfig, rules) -> int:
+  """Micro-batches per step: ``config.microbatches``, else the rules' loop on batch, else 1."""
+  from recipes.config import serial_loops
+  return config.microbatches or math.prod(serial_loops(rules)) or 1
+
+
+def check_run(config: TrainConfig, rules, mesh) -> None:
+  """What the config alone decides, checked before anything is compiled: the mesh has the
+  axes the rules shard over, ``expert_parallel``-style rules get a mixture-of-experts model,
+  and the batch divides into its device shards x micro-batches.
+
+  Raises:
+    TrainConfigError: naming the key and the fix.
+  """
+  from recipes.config import example_mesh, mesh_axes_of
+  problems = []
+  wanted = mesh_axes_of(rules)
+  missing = [a for a in wanted if a not in mesh.shape]
+  if missing:
+    have = "{" + ", ".join(f"{k}: {v}" for k, v in config.mesh.items()) + "}"
+    problems.append(
+        f"preset={config.preset} shards over the mesh axes {wanted}, but mesh={have} has no "
+        f"{', '.join(repr(a) for a in missing)}: use e.g. {example_mesh(config.preset, wanted)}"
+        f" (or add {', '.join(f'{a}: 1' for a in missing)} to the mesh to replicate on purpose)")
+  shards_experts = any(name == "expert" and value for name, value in rules.to_dict()["rules"])
+  if shards_experts and not config.model.num_experts:
+    problems.append(f"preset={config.preset} shards mixture-of-experts layers over 'expert', "
+                    "but model.num_experts=0 (a dense model): set model.num_experts=4 "
+                    "model.experts_per_token=2, or use another preset")
+  if not missing:
+    spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
+    entry = tuple(spec)[0] if len(spec) else None
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    k = effective_microbatches(config, rules)
+    if config.batch_size % (shards * k):
+      multiple = shards * k
+      problems.append(
+          f"batch_size={config.batch_size} does not divide into {shards} device shard(s) "
+          f"(mesh axes {axes or '()'}) x {k} micro-batch(es): use a multiple of {multiple}, "
+          f"e.g. batch_size={max(multiple, config.batch_size // multiple * multiple)}")
+  if problems:
+    raise TrainConfigError("\n  * ".join([f"config: {len(problems)} problem(s) with this "
+                                           "preset, mesh and batch.", *problems]))
 
 
 def make_optimizer(config: TrainConfig):
@@ -120,9 +181,28 @@ def masked_loss(apply, params, batch):
   return (ce * mask).sum() / count, {"accuracy": correct.sum() / count, "exact_match": exact}
 
 
+def train_step(state, batch, *, grad_fn, tx, schedule):
+  """One optimizer step: sharded (micro-batched) gradients, AdamW, the step's metrics."""
+  import optax
+  (loss, aux), grads = grad_fn(state["params"], batch)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  metrics = {"loss": loss, **{f"train_{k}": v for k, v in aux.items()},
+             "grad_norm": optax.tree.norm(grads), "learning_rate": schedule(state["step"])}
+  return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
+
+
+def eval_step(params, batch, *, loss_fn, rules, mesh):
+  """Loss, token accuracy and exact match of ``params`` on one batch."""
+  import partition
+  with partition.axis_rules(rules, mesh):
+    loss, aux = loss_fn(params, batch)
+  return {"eval_loss": loss, **aux}
+
+
 @dataclasses.dataclass
 class Run:
-  """Everything built from a config: mesh, rules, model, optimizer, jitted steps."""
+  """Everything built from a config: mesh, rules, model, optimizer, jitted steps, data."""
 
   config: TrainConfig
   mesh: Any
@@ -133,26 +213,37 @@ class Run:
   state: dict[str, Any]
   state_axes: dict[str, Any]
   batch_shardings: dict[str, Any]
-  train_step: Any
-  eval_step: Any
-  source: Any
+  train_step: Any   # jitted train_step(state, batch) -> (state, metrics); donates state
+  eval_step: Any    # jitted eval_step(params, batch) -> metrics
+  data: Any         # recipes.data.Pipeline: data.batch(step, split) -> sharded global batch
+
+
+def init_model(config: TrainConfig, rules, mesh):
+  """The model with its initial params, created in their shards: random init from
+  ``config.seed``. The one place where initial params are chosen (loading pretrained weights
+  goes here)."""
+  from recipes import model as model_lib
+  example = model_lib.example_tokens(config.batch_size, config.seq_len)
+  return model_lib.build(config.framework, config.model, seed=config.seed, example=example,
+                         rules=rules, mesh=mesh)
 
 
 def build_run(config: TrainConfig) -> Run:
+  """Mesh, rules (checked against the config), model, optimizer state, steps and data."""
+  import functools
+
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
 
   import partition
   from recipes import data
-  from recipes import model as model_lib
 
   mesh = make_mesh(config)
   rules = make_rules(config)
+  check_run(config, rules, mesh)
   source = data.make_source(config)
-  example = model_lib.example_tokens(config.batch_size, config.seq_len)
-  model = model_lib.build(config.framework, config.model, seed=config.seed, example=example,
-                          rules=rules, mesh=mesh)
+  model = init_model(config, rules, mesh)
   tx, schedule = make_optimizer(config)
   opt_state = partition.optimizer_init(tx, model.params, param_axes=model.param_axes,
                                        rules=rules, mesh=mesh)
@@ -164,30 +255,17 @@ def build_run(config: TrainConfig) -> Run:
   spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
   batch_shardings = {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "mask")}
 
-  loss_fn = lambda params, batch: masked_loss(model.apply, params, batch)
+  loss_fn = functools.partial(masked_loss, model.apply)
   grad_fn = partition.value_and_grad(loss_fn, batch_axes=BATCH_AXES, param_axes=model.param_axes,
                                      rules=rules, mesh=mesh, microbatches=config.microbatches,
                                      has_aux=True)
-
-  def step_fn(state, batch):
-    import optax
-    (loss, aux), grads = grad_fn(state["params"], batch)
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, **{f"train_{k}": v for k, v in aux.items()},
-               "grad_norm": optax.tree.norm(grads),
-               "learning_rate": schedule(state["step"])}
-    return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, metrics
-
-  def eval_fn(params, batch):
-    with partition.axis_rules(rules, mesh):
-      loss, aux = loss_fn(params, batch)
-    return {"eval_loss": loss, **aux}
-
-  train_step = jax.jit(step_fn, donate_argnums=(0,))
-  eval_step = jax.jit(eval_fn)
+  step = jax.jit(functools.partial(train_step, grad_fn=grad_fn, tx=tx, schedule=schedule),
+                 donate_argnums=(0,))
+  evaluate_batch = jax.jit(functools.partial(eval_step, loss_fn=loss_fn, rules=rules,
+                                             mesh=mesh))
+  pipeline = data.Pipeline(source, config.seed, config.batch_size, batch_shardings)
   return Run(config, mesh, rules, model, tx, schedule, state, state_axes, batch_shardings,
-             train_step, eval_step, source)
+             step, evaluate_batch, pipeline)
 
 
 def device_bytes(tree) -> int:
@@ -202,78 +280,114 @@ def device_bytes(tree) -> int:
   return total
 
 
-def _host_batch(run: Run, step: int, split: str = "train"):
-  from recipes import data
-  host = run.source.batch(run.config.seed, step, run.config.batch_size, split)
-  return data.global_batch(host, run.batch_shardings)
-
-
 def evaluate(run: Run, params) -> dict[str, float]:
   import numpy as np
-  results = [run.eval_step(params, _host_batch(run, i, "eval"))
+  results = [run.eval_step(params, run.data.batch(i, "eval"))
              for i in range(run.config.eval_batches)]
   return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
 
 
-def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
-          stop_after: int | None = None) -> dict[str, Any]:
-  """Runs training; returns the summary (also printed and written to out_dir).
+class Stopped(Exception):
+  """The run stopped early on purpose: a signal (after writing a checkpoint) or a loss that
+  is not finite (keeping the last good checkpoint). ``exit_code`` is what the CLI returns."""
 
-  ``stop_after`` ends the run after that step as a killed job would: no final checkpoint,
-  no summary (returns ``{}``). ``resume=true`` then continues from the last checkpoint.
+  def __init__(self, message: str, step: int, exit_code: int):
+    super().__init__(message)
+    self.step, self.exit_code = step, exit_code
+
+
+def train(config: TrainConfig, *, progress: bool | str = True, out=None,
+          log=None) -> dict[str, Any]:
+  """Runs training; returns the summary (also printed to ``out`` and written to out_dir).
+
+  A new run (``resume=false``) refuses an ``out_dir`` that holds another run; ``resume=true``
+  continues the run there from its last checkpoint (the model must match; preset, mesh and
+  micro-batches may change: the state is resharded). SIGTERM / SIGINT end the run after the
+  current step with a checkpoint, and a loss that is not finite ends it keeping the last good
+  one: both raise :class:`Stopped`.
+
+  Args:
+    config: the run.
+    progress: ``True`` or ``'bar'``: a rich progress bar; ``'log'``: a line on ``log`` every
+      ``log_every`` steps; ``False``: silent.
+    out: where the summary table goes (default: ``sys.stdout``).
+    log: where progress lines and notes (``resumed from step N of DIR``) go (default:
+      ``sys.stderr``).
   """
   import jax
+  import numpy as np
 
   from recipes import checkpoint as ckpt_lib
-  from recipes import report
+  from recipes import report, rundir
 
+  out = sys.stdout if out is None else out
+  log = sys.stderr if log is None else log
   out_dir = pathlib.Path(config.out_dir)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  run = build_run(config)
-  ckpt = ckpt_lib.Checkpointer(out_dir / "checkpoints")
   # In a multi-process run every process trains; process 0 alone writes and prints.
   primary = jax.process_index() == 0
+  say = (lambda text: print(text, file=log, flush=True)) if primary else (lambda text: None)
+  rundir.check_fresh(config)
+  run = build_run(config)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  ckpt = ckpt_lib.Checkpointer(out_dir / "checkpoints")
   metrics_log = report.MetricsLog(out_dir / "metrics.jsonl", write=primary)
   start = 0
-  if config.resume and ckpt.latest_step() is not None:
-    start = ckpt.latest_step()
-    run.state = ckpt.restore_like(start, run.state)
-    metrics_log.truncate_after(start)
-  elif not config.resume:
-    metrics_log.reset()
+  if config.resume:
+    start = rundir.resume(config, run, ckpt, metrics_log, say)
   extra = {"config": config.to_dict(), "rules": run.rules.to_dict()}
   tokens_per_step = config.batch_size * config.seq_len
   timer = report.Throughput(tokens_per_step)
-  last_eval: dict[str, float] = {}
-  with report.progress_bar(config.steps, start, enabled=progress and primary) as bar:
+  mode = "bar" if progress is True else progress or None
+  with rundir.StopSignals() as signals, report.progress(
+      config.steps, start, mode=mode if primary else None, every=config.log_every,
+      stream=log) as bar:
+    batch = run.data.batch(start) if start < config.steps else None
     for step in range(start, config.steps):
-      batch = _host_batch(run, step)
       run.state, metrics = run.train_step(run.state, batch)
       done = step + 1
+      if done < config.steps:  # read the next batch while the device runs this step
+        batch = run.data.batch(done)
       record = {"step": done, **{k: float(v) for k, v in metrics.items()}}
-      timer.tick(done, block=metrics["loss"])
+      timer.tick(done)
       record["tokens_per_s"] = timer.rate
-      if done % config.eval_every == 0 or done == config.steps:
-        last_eval = evaluate(run, run.state["params"])
-        record.update(last_eval)
-      metrics_log.append(record)
-      if config.checkpoint_every and done % config.checkpoint_every == 0:
-        ckpt.save(done, run.state, run.state_axes, extra)
-      bar.update(done, record)
-      if stop_after is not None and done >= stop_after:
+      if not np.isfinite(record["loss"]):
+        metrics_log.append(record)
         metrics_log.flush()
         ckpt.close()
-        return {}
-  if ckpt.latest_step() != config.steps:
-    ckpt.save(config.steps, run.state, run.state_axes, extra)
+        last = ckpt.latest_step()
+        raise Stopped(
+            f"the loss is {record['loss']} at step {done}: training diverged. Nothing was "
+            f"saved for it; the last good checkpoint is "
+            f"{f'step {last}' if last is not None else 'none'} in {ckpt.directory}. Lower "
+            "optimizer.learning_rate (or raise optimizer.warmup_steps) and rerun "
+            f"{'with resume=true' if last is not None else 'into a new out_dir'}.",
+            done, exit_code=1)
+      if done % config.eval_every == 0 or done == config.steps:
+        record.update(evaluate(run, run.state["params"]))
+      metrics_log.append(record)
+      bar.update(done, record)
+      periodic = config.checkpoint_every and done % config.checkpoint_every == 0
+      stop = signals.agreed() if done < config.steps else None
+      if periodic or stop or done == config.steps:
+        metrics_log.flush()  # the log reaches every checkpoint a resumed run may start from
+        ckpt.save(done, run.state, run.state_axes, extra)
+      if stop:
+        metrics_log.flush()
+        ckpt.close()
+        raise Stopped(f"stopped by {stop.name} after step {done}: checkpoint written to "
+                      f"{ckpt.directory}. Continue with resume=true out_dir={config.out_dir}.",
+                      done, exit_code=0 if stop.name == "SIGTERM" else 128 + stop.value)
   ckpt.close()
   metrics_log.flush()
+  effective = effective_microbatches(config, run.rules)
   summary = {
       "framework": config.framework, "preset": config.preset,
-      "mesh": dict(run.mesh.shape), "microbatches": config.microbatches,
-      "steps": config.steps, "final_loss": metrics_log.last("loss"),
-      "eval_loss": last_eval.get("eval_loss"), "accuracy": last_eval.get("accuracy"),
-      "exact_match": last_eval.get("exact_match"), "tokens_per_s": timer.rate,
+      "mesh": dict(run.mesh.shape), "microbatches": effective,
+      "steps": config.steps, "resumed_from": start or None,
+      "final_loss": metrics_log.last("loss"),
+      "eval_loss": metrics_log.last("eval_loss"), "accuracy": metrics_log.last("accuracy"),
+      "exact_match": metrics_log.last("exact_match"),
+      "tokens_per_s": timer.rate or metrics_log.last("tokens_per_s"),
       "param_bytes_per_device": device_bytes(run.state["params"]),
       "optimizer_bytes_per_device": device_bytes(run.state["opt_state"]),
       "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(run.state["params"])),
@@ -288,14 +402,21 @@ def train(config: TrainConfig, *, progress: bool = True, out=sys.stdout,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """The command line: 0 done (or stopped by SIGTERM with a checkpoint), 2 a mistake in the
+  config or arguments (a message, no traceback), 1 a diverged loss, 130 SIGINT."""
+  from partition import PartitionError
   try:
     path, overrides = parse_args(argv)
     config = load_config(path or default_config_path(), overrides)
     setup_devices(config)
-    train(config, progress=sys.stderr.isatty() or bool(os.environ.get("FORCE_PROGRESS")))
-  except TrainConfigError as e:
+    terminal = sys.stderr.isatty() or bool(os.environ.get("FORCE_PROGRESS"))
+    train(config, progress="bar" if terminal else "log")
+  except PartitionError as e:  # TrainConfigError and every error of the partition library
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except Stopped as e:
+    print(("" if e.exit_code == 0 else "error: ") + str(e), file=sys.stderr)
+    return e.exit_code
   return 0
 
 

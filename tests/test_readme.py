@@ -2,6 +2,11 @@
 
 import pathlib
 import re
+import shlex
+import subprocess
+import sys
+
+import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 
@@ -17,3 +22,63 @@ def test_readme_test_command_is_what_ci_runs():
   readme = README.read_text()
   command = re.search(r"^(python -m pytest[^\n#]*?)\s*(#|$)", readme, re.M).group(1).strip()
   assert command.replace("python ", "python3 ", 1) in ci
+
+
+# -- the README's commands, verbatim ---------------------------------------------------------
+
+# Appended to every training command: the test is about each command's parsing and checks
+# (every key it names is still set as written; these only make the model and the run tiny).
+TINY_RUN = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=32",
+            "seq_len=8", "steps=2", "eval_every=2", "eval_batches=1", "checkpoint_every=0",
+            "plot=false"]
+
+
+def readme_commands(module: str) -> list[list[str]]:
+  """Every ``python -m recipes.<module> ...`` of the README (code blocks and the preset table),
+  as argument lists, in order."""
+  found = []
+  for line in README.read_text().splitlines():
+    for text in re.findall(r"`(python -m recipes\.[^`]+)`", line) or [line]:
+      if f"python -m recipes.{module}" not in text:
+        continue
+      text = text[text.index(f"python -m recipes.{module}"):]
+      args = shlex.split(text, comments=True)[3:]
+      if args not in found:  # the main command is printed twice (quick start, prose)
+        found.append(args)
+  return found
+
+
+def test_readme_has_the_commands():
+  train_commands = readme_commands("train")
+  assert [] in train_commands and ["resume=true"] in train_commands
+  assert ["preset=microbatch", "mesh={data: 8}", "out_dir=runs/microbatch"] in train_commands
+  assert len(train_commands) >= 11
+
+
+@pytest.mark.slow
+def test_readme_train_commands_run_as_printed(tmp_path, monkeypatch, capsys):
+  from recipes import train
+  monkeypatch.chdir(tmp_path)  # relative out_dirs and files land here
+  (tmp_path / "my.yaml").write_text("framework: haiku\nseed: 3\n")
+  (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+  commands = readme_commands("train")
+  resume = [c for c in commands if c == ["resume=true"]]
+  for args in [c for c in commands if c not in resume] + resume:
+    extra = ["steps=3"] if args == ["resume=true"] else []  # one more step than the first run
+    code = train.main(args + TINY_RUN + extra)
+    err = capsys.readouterr().err
+    assert code == 0, (args, err)
+    if args == ["resume=true"]:
+      assert "resumed from step 2 of " in err
+  assert (tmp_path / "runs" / "default" / "summary.json").exists()
+  assert (tmp_path / "runs" / "microbatch" / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_readme_explain_command_parses_and_plans():
+  [args] = readme_commands("explain")
+  proc = subprocess.run([sys.executable, "-m", "recipes.explain", *args, "--no-compile",
+                         "--json"], cwd=README.parent, capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert '"num_devices": 64' in proc.stdout

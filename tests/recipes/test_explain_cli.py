@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from recipes import data, explain, train
+from recipes import explain, train
 from recipes.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +100,7 @@ def test_abstract_state_has_the_real_shardings(planned):
 
 def test_compiled_step_arguments_are_the_real_state_and_batch_shards(planned):
   plan, run = planned
-  batch = data.global_batch(run.source.batch(0, 0, 16), run.batch_shardings)
+  batch = run.data.batch(0)
   state_bytes = train.device_bytes(run.state)
   batch_bytes = train.device_bytes(batch)
   assert plan.memory.argument == state_bytes + batch_bytes
@@ -150,6 +150,26 @@ def test_devices_mesh_must_use_all_devices():
   explain.check_mesh_size(_config("mesh={data: -1, tensor: 2}"), 16)  # fine
 
 
+@pytest.mark.parametrize("mesh,devices", [("{data: 3, fsdp: -1}", 64),
+                                          ("{data: -1, tensor: 3}", 16),
+                                          ("{data: 4, fsdp: 2, tensor: 2}", 64),
+                                          ("{data: 5, fsdp: 3}", 12)])
+def test_the_suggested_mesh_is_accepted(mesh, devices):
+  """The mesh an error suggests passes the same check (it once suggested two -1 axes)."""
+  with pytest.raises(explain.ExplainError) as e:
+    explain.check_mesh_size(_config(f"mesh={mesh}"), devices)
+  suggested = str(e.value).split("e.g. mesh='")[1].split("'")[0]
+  explain.check_mesh_size(_config(f"mesh={suggested}"), devices)
+
+
+def test_help_is_plain_text(capsys):
+  for main in (explain.main, train.main):
+    with pytest.raises(SystemExit):
+      main(["--help"])
+    text = capsys.readouterr().out
+    assert "usage: python -m recipes." in text and "``" not in text
+
+
 # Runs the CLI as __main__ and, on exit, reports that process's own peak RSS on stderr:
 # VmHWM of its address space (ru_maxrss would include the forked pytest worker's peak, which
 # Linux carries across exec).
@@ -175,6 +195,7 @@ def _peak_bytes(proc) -> int:
   return int(proc.stderr.rsplit("PEAK_RSS_KIB", 1)[1].split()[0]) * 1024
 
 
+@pytest.mark.slow
 def test_devices_16_in_a_subprocess(planned):
   plan8, _ = planned
   proc = _run_cli("--devices", "16", "--json", *TINY, "mesh={data: -1, fsdp: 2, tensor: 2}")
@@ -215,6 +236,7 @@ def test_python_m_recipes_lists_and_dispatches(capsys):
   assert "Give one axis -1 to fill them" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_planning_a_big_model_allocates_nothing():
   """A 0.55 B-parameter plan (2.2 GB of params, 6.6 GB with AdamW) compiled for 8 devices in a
   process whose peak memory stays far below the params: nothing was materialised."""

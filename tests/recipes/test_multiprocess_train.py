@@ -22,6 +22,7 @@ from recipes import checkpoint, train
 from recipes.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow  # two training subprocesses
 TIMEOUT_S = 240
 TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
         "seq_len=8", "steps=3", "eval_every=3", "eval_batches=1", "checkpoint_every=0",

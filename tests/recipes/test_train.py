@@ -5,16 +5,25 @@ Reference for the sharded runs: the same config on a one-device mesh with no mic
 the first steps' losses must agree in fp32 (init is sharding-invariant, gradients are those of
 the full batch)."""
 
+import io
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
+import yaml
 
 import partition
-from recipes import checkpoint, train
+from recipes import checkpoint, data, train
+from recipes import config as config_lib
 from recipes.config import TrainConfigError, load_config
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
         "model.head_dim=8", "model.num_layers=1", "batch_size=16", "seq_len=8", "steps=3",
@@ -33,7 +42,8 @@ def _losses(out_dir) -> list[float]:
 
 def _run(tmp_path, name, *overrides, **kwargs):
   out = tmp_path / name
-  train.train(_config(out, *overrides), progress=False, out=open("/dev/null", "w"), **kwargs)
+  train.train(_config(out, *overrides), progress=False, out=io.StringIO(), log=io.StringIO(),
+              **kwargs)
   return out
 
 
@@ -50,7 +60,63 @@ def test_config_errors_name_the_key_and_list_the_valid_ones():
   assert "microbatches='two': expected an integer" in message
   assert "mesh={'data': 'x'}: expected a mapping {mesh axis: size}" in message
   assert "config: 4 problem(s)." in message  # value checks come after the key checks
-  assert "Valid keys: batch_size, checkpoint_every, data.*" in message
+  assert "Valid keys: batch_size, checkpoint_every, data.{task, path, digits}" in message
+
+
+def test_nested_keys_get_suggestions_and_their_section_keys():
+  with pytest.raises(TrainConfigError) as e:
+    load_config(overrides=["optimizer.lr=0.1", "data.tsak=copy"])
+  message = str(e.value)
+  assert "unknown key 'optimizer.lr'. Did you mean 'learning_rate'? Valid keys of optimizer: " \
+         "learning_rate, warmup_steps" in message
+  assert "unknown key 'data.tsak'. Did you mean 'task'?" in message
+  assert "optimizer.{learning_rate, warmup_steps, min_lr_ratio" in message  # the full list
+
+
+def test_model_errors_give_command_line_advice():
+  with pytest.raises(TrainConfigError) as e:
+    load_config(overrides=["model.num_heads=3"])
+  message = str(e.value)
+  assert "model.num_heads=3 is not a multiple of num_kv_heads=2" in message
+  assert "(key=value, e.g. model.num_heads=4)" in message
+  assert "dataclasses.replace" not in message
+
+
+def test_numbers_in_e_notation_and_one_message_per_mistake():
+  # YAML 1.1 reads 1e-3 as a string; the README's optimizer.learning_rate=1e-3 must work
+  assert load_config(overrides=["optimizer.learning_rate=1e-3"]).optimizer.learning_rate == 1e-3
+  with pytest.raises(TrainConfigError) as e:
+    load_config(overrides=["optimizer.learning_rate=fast"])
+  assert "config: 1 problem(s)." in str(e.value)
+  assert "optimizer.learning_rate='fast': expected a number" in str(e.value)
+
+
+def test_default_yaml_is_the_one_source_of_defaults():
+  with pytest.raises(TypeError):  # the dataclasses hold no second set of defaults
+    config_lib.TrainConfig()
+  raw = yaml.safe_load(train.default_config_path().read_text())
+  cfg = load_config()
+  assert (cfg.steps, cfg.batch_size, cfg.microbatches) == (raw["steps"], raw["batch_size"],
+                                                           raw["microbatches"])
+  assert cfg.optimizer.warmup_steps == raw["optimizer"]["warmup_steps"]
+  assert load_config(train.default_config_path()) == cfg
+
+
+def test_microbatches_rule_with_a_preset_that_loops(tmp_path):
+  # default.yaml's microbatches=2 yields to the preset's own serial loop ...
+  cfg = load_config(overrides=["preset=microbatch", "mesh={data: 8}"])
+  rules = train.make_rules(cfg)
+  assert cfg.microbatches is None and config_lib.serial_loops(rules) == (4,)
+  assert train.effective_microbatches(cfg, rules) == 4
+  # ... but an explicit microbatches (override or --config file) replaces it
+  cfg = load_config(overrides=["preset=microbatch", "microbatches=2"])
+  rules = train.make_rules(cfg)
+  assert config_lib.serial_loops(rules) == () and train.effective_microbatches(cfg, rules) == 2
+  mine = tmp_path / "mine.yaml"
+  mine.write_text("preset: microbatch\nmicrobatches: 8\n")
+  assert load_config(mine).microbatches == 8
+  # presets without a loop take default.yaml's count
+  assert load_config(overrides=["preset=fsdp"]).microbatches == 2
 
 
 def test_config_semantic_errors_and_files(tmp_path):
@@ -78,16 +144,51 @@ def test_main_reports_config_errors(capsys):
   assert "Did you mean 'steps'?" in capsys.readouterr().err
 
 
+MISTAKES = {  # overrides -> what the message must say (the key and the fix)
+    "indivisible batch": (["batch_size=10"], [
+        "batch_size=10 does not divide into 2 device shard(s)", "x 2 micro-batch(es)",
+        "use a multiple of 4, e.g. batch_size=8"]),
+    "preset without its mesh axes": (["preset=tensor_parallel", "mesh={data: 8}"], [
+        "preset=tensor_parallel shards over the mesh axes ['data', 'tensor'], but mesh="
+        "{data: 8} has no 'tensor'", "use e.g. mesh='{data: 4, tensor: 2}'", "tensor: 1"]),
+    "expert_parallel without experts": (["preset=expert_parallel",
+                                         "mesh={data: 2, expert: 4}"], [
+        "preset=expert_parallel shards mixture-of-experts layers", "model.num_experts=0",
+        "set model.num_experts=4"]),
+    "a loop preset with an indivisible batch": (["preset=microbatch", "mesh={data: 8}",
+                                                 "batch_size=16"], [
+        "batch_size=16 does not divide into 8 device shard(s)", "x 4 micro-batch(es)",
+        "e.g. batch_size=32"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MISTAKES))
+def test_run_mistakes_exit_2_before_compiling(name, tmp_path, monkeypatch, capsys):
+  overrides, expected = MISTAKES[name]
+
+  def compiled(*args, **kwargs):
+    raise AssertionError("the mistake was found only after building the model")
+
+  monkeypatch.setattr(train, "init_model", compiled)
+  assert train.main(overrides + [f"out_dir={tmp_path / 'run'}"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: config: 1 problem(s)") and "Traceback" not in err
+  for part in expected:
+    assert part in err, (part, err)
+  assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_partition_errors_exit_2(tmp_path, capsys):
+  # a rules override the partition library rejects: its own message, rc 2, no traceback
+  assert train.main(["rules=[nonsense]", f"out_dir={tmp_path}"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: ") and "Traceback" not in err and "nonsense" in err
+
+
 # ---------------------------------------------------------------- strategies = one device
 
-PRESETS = {
-    "data_parallel": "{data: 8}",
-    "fsdp": "{data: 2, fsdp: 4}",
-    "tensor_parallel": "{data: 4, tensor: 2}",
-    "fsdp_tp": "{data: 2, fsdp: 2, tensor: 2}",
-    "sequence_parallel": "{data: 2, sequence: 4}",
-    "microbatch": "{data: 8}",
-}
+PRESETS = {name: "{" + ", ".join(f"{k}: {v}" for k, v in mesh.items()) + "}"
+           for name, mesh in config_lib.PRESET_MESHES.items() if name != "expert_parallel"}
 
 
 @pytest.fixture(scope="module")
@@ -105,22 +206,24 @@ def single_device_losses(tmp_path_factory):
   return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", sorted(PRESETS))
 def test_every_preset_equals_one_device(tmp_path, preset, single_device_losses):
-  if preset == "microbatch":  # it brings its own loop (SerialLoop(4) on 'batch'): 32 = 8 x 4
-    extra, micro = ("batch_size=32",), "microbatches=null"
-  else:
-    extra, micro = (), "microbatches=2"
-  out = _run(tmp_path, preset, f"preset={preset}", f"mesh={PRESETS[preset]}", micro, *extra)
+  # microbatch brings its own loop (SerialLoop(4) on 'batch', 32 = 8 x 4), which default.yaml's
+  # microbatches=2 does not override; every other preset runs default.yaml's 2 micro-batches
+  extra = ("batch_size=32",) if preset == "microbatch" else ()
+  out = _run(tmp_path, preset, f"preset={preset}", f"mesh={PRESETS[preset]}", *extra)
   np.testing.assert_allclose(_losses(out), single_device_losses("linen", *extra), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_expert_parallel_preset_equals_one_device(tmp_path, single_device_losses):
   moe = ("model.num_experts=4", "model.experts_per_token=2")
   out = _run(tmp_path, "ep", "preset=expert_parallel", "mesh={data: 2, expert: 4}", *moe)
   np.testing.assert_allclose(_losses(out), single_device_losses("linen", *moe), rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("framework", ["nnx", "haiku"])
 def test_frameworks_with_microbatches_equal_one_device(tmp_path, framework,
                                                        single_device_losses):
@@ -131,6 +234,7 @@ def test_frameworks_with_microbatches_equal_one_device(tmp_path, framework,
 # ------------------------------------------------------------------------- outputs
 
 
+@pytest.mark.slow
 def test_outputs(tmp_path):
   out = _run(tmp_path, "run", "steps=4", "eval_every=2", "plot=true")
   records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -146,6 +250,7 @@ def test_outputs(tmp_path):
   assert 0 < summary["param_bytes_per_device"] < summary["param_bytes_total"]
 
 
+@pytest.mark.slow
 def test_byte_level_lm_on_a_text_file(tmp_path):
   text = tmp_path / "corpus.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
@@ -157,17 +262,146 @@ def test_byte_level_lm_on_a_text_file(tmp_path):
 # ------------------------------------------------------------------- checkpoints
 
 
-def test_kill_and_resume_gives_the_identical_loss_sequence(tmp_path):
-  straight = _run(tmp_path, "straight", "steps=6", "checkpoint_every=2")
+def _cli(*args: str) -> subprocess.Popen:
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env.pop("XLA_FLAGS", None)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+  return subprocess.Popen([sys.executable, "-m", "recipes.train", *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+def test_sigterm_midway_then_resume_gives_the_uninterrupted_run(tmp_path):
+  """A real process gets SIGTERM mid-run: it finishes the step, checkpoints, exits 0; the
+  resumed run's losses and data equal an uninterrupted run's, step by step."""
+  flags = TINY + ["steps=40", "checkpoint_every=0", "eval_every=40"]
+  straight = _run(tmp_path, "straight", *flags[len(TINY):])
   killed = tmp_path / "killed"
-  cfg = _config(killed, "steps=6", "checkpoint_every=2")
-  train.train(cfg, progress=False, out=open("/dev/null", "w"), stop_after=3)  # dies at 3
-  assert checkpoint.Checkpointer(killed / "checkpoints").latest_step() == 2
-  train.train(_config(killed, "steps=6", "checkpoint_every=2", "resume=true"),
-              progress=False, out=open("/dev/null", "w"))
-  assert _losses(killed) == _losses(straight)  # bit-identical, steps 1..6
+  proc = _cli(*flags, f"out_dir={killed}")
+  seen = []
+  for line in proc.stderr:  # stderr is a pipe: a progress line per step (log_every=1)
+    seen.append(line)
+    if line.startswith("step 3/"):
+      proc.send_signal(signal.SIGTERM)
+      break
+  stdout, rest = proc.communicate(timeout=240)
+  err = "".join(seen) + rest
+  assert proc.returncode == 0, err
+  stopped = checkpoint.Checkpointer(killed / "checkpoints")
+  step = stopped.latest_step()
+  stopped.close()
+  assert 3 <= step < 40, err  # the step it was in when the signal came, then it stopped
+  assert f"stopped by SIGTERM after step {step}: checkpoint written" in err
+  assert "resume=true" in err and "training summary" not in stdout
+  log = io.StringIO()
+  train.train(_config(killed, *flags[len(TINY):], "resume=true"), progress=False,
+              out=io.StringIO(), log=log)
+  assert f"resumed from step {step} of {killed / 'checkpoints'}" in log.getvalue()
+  assert _losses(killed) == _losses(straight)  # bit-identical, steps 1..40
 
 
+def test_resumed_data_is_the_uninterrupted_data():
+  """The batches of steps 5.. are the same whether the pipeline starts at 0 or at 5, and
+  the same as the source's global batches (row r of step s = example s * batch + r)."""
+  cfg = load_config(overrides=["batch_size=16", "seq_len=8"])
+  run_a = data.Pipeline(data.make_source(cfg), 0, 16, _shardings())
+  straight = [run_a.batch(s) for s in range(8)]
+  run_b = data.Pipeline(data.make_source(cfg), 0, 16, _shardings())
+  for s in range(5, 8):
+    for k, v in run_b.batch(s).items():
+      np.testing.assert_array_equal(np.asarray(v), np.asarray(straight[s][k]))
+      np.testing.assert_array_equal(np.asarray(v), run_b.source.batch(0, s, 16)[k])
+  assert not np.array_equal(np.asarray(straight[5]["inputs"]), np.asarray(straight[6]["inputs"]))
+  other_seed = data.Pipeline(data.make_source(cfg), 1, 16, _shardings()).batch(5)
+  assert not np.array_equal(np.asarray(other_seed["inputs"]), np.asarray(straight[5]["inputs"]))
+
+
+def _shardings():
+  from jax.sharding import NamedSharding, PartitionSpec
+  mesh = jax.make_mesh((2, 4), ("data", "sequence"))
+  return {k: NamedSharding(mesh, PartitionSpec("data", "sequence"))
+          for k in ("inputs", "targets", "mask")}
+
+
+def test_token_ids_from_a_npy_file(tmp_path):
+  ids = (np.arange(600) * 7 % 50).astype(np.int32)
+  np.save(tmp_path / "ids.npy", ids)
+  source = data.TokenFile(str(tmp_path / "ids.npy"), seq_len=8, vocab_size=64)
+  example = source.dataset(seed=0)[0]
+  start = int(np.flatnonzero(ids == example["inputs"][0])[0])  # ids repeat every 50
+  np.testing.assert_array_equal(example["inputs"], np.roll(ids, -start)[:8])
+  np.testing.assert_array_equal(example["targets"], np.roll(ids, -start)[1:9])
+  with pytest.raises(TrainConfigError, match=r"holds token id 49, but model.vocab_size=32: "
+                                             r"set model.vocab_size=50"):
+    data.TokenFile(str(tmp_path / "ids.npy"), seq_len=8, vocab_size=32)
+
+
+@pytest.mark.slow
+def test_rerun_into_the_same_out_dir_keeps_the_first_run(tmp_path, capsys):
+  first = _run(tmp_path, "run", "checkpoint_every=1")
+  before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+  assert train.main(TINY + [f"out_dir={first}"]) == 2
+  err = capsys.readouterr().err
+  assert f"error: out_dir={first} already holds a run" in err
+  assert "checkpoints at steps 1, 2, 3" in err
+  assert "resume=true" in err and f"out_dir={first}-2" in err
+  assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_resume_checks_the_model_and_reshards(tmp_path):
+  first = _run(tmp_path, "run", "steps=2")
+  with pytest.raises(TrainConfigError, match=r"(?s)is of another model:.*model.embed_dim=16 "
+                                             r"there, 32 here.*resume=false out_dir="):
+    train.train(_config(first, "steps=4", "model.embed_dim=32", "resume=true"),
+                progress=False, out=io.StringIO(), log=io.StringIO())
+  # another preset and mesh: the same state, resharded
+  log = io.StringIO()
+  summary = train.train(_config(first, "steps=3", "resume=true", "preset=fsdp",
+                                "mesh={data: 2, fsdp: 4}"), progress=False, out=io.StringIO(),
+                        log=log)
+  assert "resumed from step 2" in log.getvalue() and "resharded: preset fsdp_tp -> fsdp" \
+      in log.getvalue()
+  assert [r["step"] for r in map(json.loads, (first / "metrics.jsonl").read_text().splitlines())] \
+      == [1, 2, 3]
+  assert summary["resumed_from"] == 2 and summary["eval_loss"] is not None
+  # a step that already has a checkpoint is written again, not an orbax error
+  ckpt = checkpoint.Checkpointer(first / "checkpoints")
+  state = ckpt.restore_on(3, jax.make_mesh((8,), ("data",)))[0]
+  ckpt.save(3, state, None, {"note": "again"})
+  ckpt.wait()
+  assert ckpt.all_steps() == [2, 3] and ckpt.meta(3)["note"] == "again"
+  ckpt.close()
+
+
+@pytest.mark.slow
+def test_a_diverging_loss_stops_keeping_the_last_good_checkpoint(tmp_path):
+  out = tmp_path / "nan"
+  with pytest.raises(train.Stopped) as e:
+    train.train(_config(out, "steps=20", "checkpoint_every=1", "optimizer.learning_rate=1e30",
+                        "optimizer.warmup_steps=0", "optimizer.clip_norm=0"),
+                progress=False, out=io.StringIO(), log=io.StringIO())
+  step = e.value.step
+  assert e.value.exit_code == 1
+  assert f"at step {step}: training diverged" in str(e.value)
+  assert f"the last good checkpoint is step {step - 1}" in str(e.value)
+  ckpt = checkpoint.Checkpointer(out / "checkpoints")
+  assert ckpt.latest_step() == step - 1
+  ckpt.close()
+  assert all(np.isfinite(_losses(out)[:step - 1]))
+
+
+@pytest.mark.slow
+def test_progress_lines_without_a_terminal(tmp_path):
+  log = io.StringIO()
+  train.train(_config(tmp_path / "run", "steps=4", "log_every=2"), progress="log",
+              out=io.StringIO(), log=log)
+  lines = log.getvalue().splitlines()
+  assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
+  assert all("loss " in line and " tok/s" in line and "ETA " in line for line in lines)
+
+
+@pytest.mark.slow
 def test_restore_on_other_meshes_is_bit_identical(tmp_path):
   out = _run(tmp_path, "src", "steps=2", "microbatches=1")
   ckpt = checkpoint.Checkpointer(out / "checkpoints")

@@ -1,0 +1,164 @@
+"""A run's directory over its lifetime: fresh runs never mix with old ones, resumed runs only
+continue a checkpoint of the same model, and a signal ends a run with a checkpoint.
+
+* A fresh run (``resume=false``) into an ``out_dir`` that holds another run (its
+  ``metrics.jsonl``, ``summary.json`` or a checkpoint) is refused before anything is written;
+  the message names both ways on: ``resume=true``, or a new ``out_dir=...``.
+* ``resume=true`` restores the last checkpoint after checking that it was written for the
+  same model (framework, ``model.*``, and the state's arrays by path and shape); preset, mesh
+  and micro-batches may differ (the state is resharded on restore). It says ``resumed from
+  step N of DIR`` and drops the metrics the old run logged after step N.
+* SIGTERM / SIGINT (:class:`StopSignals`) ask the loop to stop after the current step; in a
+  multi-process run all processes agree on that step (an all-gather of every process's flag
+  after each step, ``jax.experimental.multihost_utils.process_allgather``), since a scheduler
+  may signal one host first.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import signal
+import threading
+from typing import Any
+
+from recipes.config import TrainConfigError
+
+RUN_FILES = ("metrics.jsonl", "summary.json")
+
+
+def holds_run(out_dir: pathlib.Path) -> list[str]:
+  """What in ``out_dir`` belongs to a run (``[]``: nothing, a fresh run may start there)."""
+  found = [name for name in RUN_FILES if (out_dir / name).exists()]
+  checkpoints = out_dir / "checkpoints"
+  steps = sorted(int(p.name) for p in checkpoints.glob("*") if p.name.isdigit()) \
+      if checkpoints.is_dir() else []
+  if steps:
+    found.append(f"checkpoints at steps {', '.join(map(str, steps))}")
+  return found
+
+
+def free_name(out_dir: pathlib.Path) -> pathlib.Path:
+  """``out_dir-2``, ``out_dir-3``, ...: the first that holds no run."""
+  n = 2
+  while holds_run(out_dir.with_name(f"{out_dir.name}-{n}")):
+    n += 1
+  return out_dir.with_name(f"{out_dir.name}-{n}")
+
+
+def check_fresh(config) -> None:
+  """A fresh run may not start in a directory that holds another run.
+
+  Raises:
+    TrainConfigError: naming what is there, ``resume=true`` and a free ``out_dir=``.
+  """
+  out_dir = pathlib.Path(config.out_dir)
+  found = holds_run(out_dir) if not config.resume else []
+  if found:
+    raise TrainConfigError(
+        f"out_dir={config.out_dir} already holds a run ({'; '.join(found)}); a new run would "
+        "mix with it, so nothing was written. Continue that run with resume=true, or start a "
+        f"new one elsewhere with out_dir={free_name(out_dir)}.")
+
+
+def _state_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  import jax
+
+  from recipes.checkpoint import path_of
+  flat = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))[0]
+  return {path_of(p): tuple(x.shape) for p, x in flat}
+
+
+def mismatches(config, saved_config: dict[str, Any], saved_shapes: dict, shapes: dict
+               ) -> list[str]:
+  """Why a checkpoint cannot continue as ``config`` (``[]``: it can)."""
+  problems = []
+  now = config.to_dict()
+  if saved_config.get("framework", now["framework"]) != now["framework"]:
+    problems.append(f"framework={saved_config['framework']} there, {now['framework']} here")
+  for key, value in saved_config.get("model", {}).items():
+    if now["model"].get(key) != value:
+      problems.append(f"model.{key}={value} there, {now['model'].get(key)} here")
+  if not problems and saved_shapes != shapes:
+    differ = sorted(set(saved_shapes) ^ set(shapes)) or sorted(
+        p for p in shapes if saved_shapes.get(p) != shapes[p])
+    problems.append("the train state differs (e.g. optimizer.clip_norm on or off), first at "
+                    f"{differ[0]}: {saved_shapes.get(differ[0])} there, "
+                    f"{shapes.get(differ[0])} here")
+  return problems
+
+
+def resume(config, run, ckpt, metrics_log, say) -> int:
+  """Restores ``run.state`` from the last checkpoint of ``ckpt`` after checking it fits;
+  returns the step to continue from (0: there was no checkpoint).
+
+  Raises:
+    TrainConfigError: the checkpoint belongs to another model.
+  """
+  step = ckpt.latest_step()
+  if step is None:
+    say(f"resume=true: no checkpoint in {ckpt.directory}; starting at step 0")
+    metrics_log.truncate_after(0)
+    return 0
+  meta = ckpt.meta(step)
+  saved_config = meta.get("config", {})
+  saved_shapes = _state_shapes(ckpt.manager.item_metadata(step)["state"].tree)
+  problems = mismatches(config, saved_config, saved_shapes, _state_shapes(run.state))
+  if problems:
+    raise TrainConfigError(
+        f"resume=true: the checkpoint at step {step} of {ckpt.directory} is of another "
+        "model:\n  * " + "\n  * ".join(problems) + "\nUse that run's framework and model.* "
+        "(preset, mesh and microbatches may change: the state is resharded), or start a new "
+        f"run with resume=false out_dir={free_name(pathlib.Path(config.out_dir))}.")
+  run.state = ckpt.restore_like(step, run.state)
+  metrics_log.truncate_after(step)
+  changed = [f"{k} {saved_config[k]} -> {getattr(config, k)}"
+             for k in ("preset", "mesh", "microbatches")
+             if k in saved_config and saved_config[k] != getattr(config, k)]
+  done = f"; the run is complete (steps={config.steps})" if step >= config.steps else ""
+  say(f"resumed from step {step} of {ckpt.directory}"
+      + (f" (resharded: {', '.join(changed)})" if changed else "") + done)
+  return step
+
+
+class StopSignals:
+  """SIGTERM and SIGINT ask the training loop to stop after the current step.
+
+  A second SIGINT (Ctrl-C twice) interrupts at once. Handlers are installed only in the main
+  thread (Python's rule); elsewhere the run is not signal-aware.
+
+  Example:
+    >>> import os, signal
+    >>> with StopSignals() as signals:
+    ...   os.kill(os.getpid(), signal.SIGTERM)
+    ...   print(signals.agreed().name)
+    SIGTERM
+  """
+
+  SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+  def __enter__(self) -> StopSignals:
+    self.received: signal.Signals | None = None
+    self.previous = {}
+    if threading.current_thread() is threading.main_thread():
+      self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+    return self
+
+  def _handle(self, signum, frame) -> None:
+    if signum == signal.SIGINT and self.received == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.received = signal.Signals(signum)
+
+  def __exit__(self, *exc) -> None:
+    for s, handler in self.previous.items():
+      signal.signal(s, handler)
+
+  def agreed(self) -> signal.Signals | None:
+    """The signal to stop on, the same in every process (``None``: go on)."""
+    import jax
+    local = 0 if self.received is None else int(self.received)
+    if jax.process_count() > 1:
+      import numpy as np
+      from jax.experimental import multihost_utils
+      local = int(np.max(multihost_utils.process_allgather(np.int32(local))))
+    return signal.Signals(local) if local else None
