@@ -130,14 +130,16 @@ def test_round_trip_through_a_framework(tmp_path):
 
 
 def test_layout_axes_are_the_models_axes():
-  """from_hf shards each weight by the logical axes the frameworks declare for it."""
-  _, cfg = layers.from_hf(DATA / "qwen2")
+  """from_hf shards each weight by the logical axes the frameworks declare for it (the
+  unfused ones: q/k/v and gate/up are fused in the frameworks' own layout)."""
+  _, cfg = layers.from_hf(DATA / "llama")
   variables = jax.eval_shape(layers.linen.Transformer(cfg).init, jax.random.key(0),
                              jnp.zeros((1, 4), jnp.int32))
   declared = canonical_axes(partition.logical_axes(variables)["params"])
   ours = {k: lay.axes for k, lay in hf.layouts(cfg).items()}
   shared = sorted(set(ours) & set(declared))
-  assert len(shared) >= 8, shared
+  assert {"embed/embedding", "lm_head/kernel", "blocks/attn/out/kernel",
+          "blocks/mlp/wo/kernel", "final_norm/scale"} <= set(shared), shared
   assert {k: ours[k] for k in shared} == {k: declared[k] for k in shared}
 
 
@@ -320,5 +322,5 @@ def test_docs_hf_python_blocks_run(monkeypatch, tmp_path, capsys):
   monkeypatch.chdir(root)
   exec(compile("\n".join(blocks), "docs/hf.md", "exec"), {})
   assert capsys.readouterr().out.split("\n")[:2] == [
-      "2 True True 1000000.0", "PartitionSpec(None, 'fsdp', 'tensor', None)"]
+      "2 True True 1000000.0", "P(None, 'fsdp', 'tensor', None)"]
   assert (tmp_path / "model.safetensors").is_file()

@@ -165,8 +165,9 @@ def test_to_hf_round_trips_the_trained_params(trained, tmp_path, capsys):
   loaded = layers.from_canonical(weights, like=fresh)
   for a, b in zip(jax.tree.leaves(loaded["params"]), jax.tree.leaves(trained["params"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # the reference logits come from the 8-device sharded params (another summation order)
   logits = layers_linen.Transformer(model_config).apply(loaded, tokens)
-  np.testing.assert_array_equal(np.asarray(logits), trained["logits"])
+  np.testing.assert_allclose(np.asarray(logits), trained["logits"], rtol=1e-5, atol=1e-6)
 
 
 def test_to_hf_errors(trained, tmp_path, capsys):
