@@ -55,11 +55,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layers._config import TransformerConfig
 from partition import PartitionError
 from partition._errors import format_message
 from partition._io import atomic_write
-
-from layers._config import TransformerConfig
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
@@ -208,8 +207,9 @@ class Layout(NamedTuple):
 def layouts(config: TransformerConfig) -> dict[str, Layout]:
   """``{canonical name: Layout}`` of every weight of ``config``'s model.
 
-  >>> layouts(TransformerConfig())['blocks/attn/out/kernel']
-  Layout(hf='model.layers.{i}.self_attn.o_proj.weight', groups=((2,), (0, 1)), axes=('layers', 'heads', 'head_dim', 'embed'))
+  >>> out = layouts(TransformerConfig())['blocks/attn/out/kernel']
+  >>> out.hf, out.groups       # HF (embed, heads * head_dim) <- canonical (heads, head_dim, embed)
+  ('model.layers.{i}.self_attn.o_proj.weight', ((2,), (0, 1)))
   """
   a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
   out = {
@@ -234,9 +234,9 @@ def layouts(config: TransformerConfig) -> dict[str, Layout]:
                                      ("layers", "mlp", "embed")),
       "final_norm/scale": Layout("model.norm.weight", ((0,),), ("embed",)),
   }
-  if not getattr(config, "tie_embeddings", True):
+  if not config.tie_embeddings:
     out["lm_head/kernel"] = Layout("lm_head.weight", ((1,), (0,)), ("embed", "vocab"))
-  if getattr(config, "qkv_bias", False):
+  if config.qkv_bias:
     for name, proj, heads in (("query", "q", "heads"), ("key", "k", "kv_heads"),
                               ("value", "v", "kv_heads")):
       out[f"blocks/attn/{name}/bias"] = Layout(a + f"{proj}_proj.bias", ((0, 1),),
@@ -433,11 +433,11 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
     HFError: an MoE config, an architecture that cannot express ``config``, or weights
       missing, extra, or of the wrong shape.
   """
-  architecture = architecture or ("qwen2" if getattr(config, "qkv_bias", False) else "llama")
+  architecture = architecture or ("qwen2" if config.qkv_bias else "llama")
   problems = []
   if architecture not in ARCHITECTURES:
     problems.append(f"architecture={architecture!r} is not one of {sorted(ARCHITECTURES)}")
-  elif getattr(config, "qkv_bias", False) != (architecture == "qwen2"):
+  elif config.qkv_bias != (architecture == "qwen2"):
     problems.append(f"qkv_bias={config.qkv_bias} but architecture={architecture!r}: only "
                     "qwen2 has q/k/v biases (and always has them)")
   if config.num_experts:
