@@ -9,3 +9,6 @@ from layers._config import TransformerConfig as TransformerConfig
 from layers._canonical import CanonicalError as CanonicalError
 from layers._canonical import from_canonical as from_canonical
 from layers._canonical import to_canonical as to_canonical
+from layers.hf import HFError as HFError
+from layers.hf import from_hf as from_hf
+from layers.hf import to_hf as to_hf

@@ -10,10 +10,16 @@ Restores the parameters of a checkpoint written by ``python -m recipes.train`` o
   from, and every weight's shape and dtype.
 
 Both files are written atomically. Load them into any framework with
-``layers.from_canonical(weights, like=params)`` (:func:`load` reads both files)::
+``layers.from_canonical(weights, like=params)`` (:func:`load` reads both files).
+
+With ``--to hf``, ``OUT`` is a directory that ``transformers`` loads
+(``AutoModelForCausalLM.from_pretrained(OUT)``): ``config.json`` and ``model.safetensors``
+written by ``layers.to_hf`` (Qwen2 when the model has q/k/v biases, else Llama, or
+``--architecture``)::
 
   python -m recipes.export --checkpoint runs/default --out weights.npz
   python -m recipes.export --checkpoint runs/default/checkpoints --step 100 --out w100.npz
+  python -m recipes.export --checkpoint runs/finetune --to hf --out runs/finetune/hf
 
   weights, model_config = recipes.export.load('weights.npz')
   model = layers.nnx.Transformer(model_config, rngs=nnx.Rngs(0))
@@ -107,30 +113,41 @@ def _storable(x) -> np.ndarray:
   return a
 
 
-def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None
-           ) -> dict[str, Any]:
-  """Writes the canonical weights of a checkpoint to ``out`` (``.npz``) and its config JSON.
+def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | None = None,
+           *, to: str = "npz", architecture: str | None = None) -> dict[str, Any]:
+  """Writes the canonical weights of a checkpoint to ``out`` (``.npz``) and its config JSON,
+  or (``to='hf'``) a Hugging Face checkpoint directory.
 
   Args:
     directory: a run's ``out_dir`` or its ``checkpoints`` folder.
-    out: the ``.npz`` path; the JSON goes next to it with the suffix ``.json``.
+    out: the ``.npz`` path (the JSON goes next to it with the suffix ``.json``), or the
+      directory for ``to='hf'``.
     step: the checkpoint step (default: the latest).
+    to: ``'npz'`` or ``'hf'``.
+    architecture: for ``'hf'``: ``'llama'``, ``'mistral'`` or ``'qwen2'`` (default: from
+      the model, see ``layers.to_hf``).
 
   Returns:
-    The JSON document written (``model``, ``framework``, ``step``, ``weights``).
+    The document describing the export (``model``, ``framework``, ``step``, ``weights``;
+    for ``'hf'`` also ``files``); the ``.npz`` export writes it as its JSON.
   """
   import layers
   from partition import atomic_write
 
   out = pathlib.Path(out)
   params, meta, step = restore_params(directory, step)
-  canonical = {name: _storable(v) for name, v in layers.to_canonical(params).items()}
-  buffer = io.BytesIO()
-  np.savez(buffer, **canonical)
+  canonical = {name: np.asarray(v) for name, v in layers.to_canonical(params).items()}
+  if to == "npz":
+    canonical = {name: _storable(v) for name, v in canonical.items()}
   doc = {"model": meta["config"]["model"], "framework": meta["config"]["framework"],
          "step": step, "checkpoint": str(checkpoint_dir(directory).absolute()),
          "weights": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
                      for k, v in sorted(canonical.items())}}
+  if to == "hf":   # safetensors stores bfloat16 as is
+    doc["files"] = layers.to_hf(canonical, model_config(meta), out, architecture=architecture)
+    return doc
+  buffer = io.BytesIO()
+  np.savez(buffer, **canonical)
   atomic_write(out, buffer.getvalue())
   atomic_write(config_path(out), json.dumps(doc, indent=2, sort_keys=True) + "\n")
   return doc
@@ -156,20 +173,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--checkpoint", required=True, metavar="DIR",
                       help="a run's out_dir or its checkpoints/ folder")
   parser.add_argument("--step", type=int, default=None, help="default: the latest step")
-  parser.add_argument("--out", required=True, help="the .npz to write (and OUT.json)")
+  parser.add_argument("--out", required=True,
+                      help="the .npz to write (and OUT.json); with --to hf, a directory")
+  parser.add_argument("--to", choices=("npz", "hf"), default="npz",
+                      help="npz: canonical weights; hf: a transformers checkpoint directory")
+  parser.add_argument("--architecture", choices=("llama", "mistral", "qwen2"), default=None,
+                      help="with --to hf (default: qwen2 for q/k/v biases, else llama)")
   return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   try:
-    doc = export(args.checkpoint, args.out, args.step)
-  except PartitionError as e:  # ExportError, FileError: say what to fix
+    doc = export(args.checkpoint, args.out, args.step, to=args.to,
+                 architecture=args.architecture)
+  except PartitionError as e:  # ExportError, FileError, HFError: say what to fix
     print(f"error: {e}", file=sys.stderr)
     return 2
   count = sum(int(np.prod(w["shape"])) for w in doc["weights"].values())
-  print(f"wrote {args.out} ({len(doc['weights'])} arrays, {count:,} parameters; "
-        f"{doc['framework']} step {doc['step']}) and {config_path(args.out)}")
+  summary = (f"{len(doc['weights'])} arrays, {count:,} parameters; {doc['framework']} "
+             f"step {doc['step']}")
+  if args.to == "hf":
+    print(f"wrote {args.out}/ ({summary}): {', '.join(doc['files'])}")
+  else:
+    print(f"wrote {args.out} ({summary}) and {config_path(args.out)}")
   return 0
 
 

@@ -147,3 +147,30 @@ def test_bfloat16_params_round_trip_exactly(tmp_path):
   for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(trained)):
     assert a.dtype == b.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_to_hf_round_trips_the_trained_params(trained, tmp_path, capsys):
+  """--to hf: a transformers directory from which layers.from_hf gives back the trained
+  params bit for bit (the default model ties its output layer: Llama, tied)."""
+  out = tmp_path / "hf"
+  assert export.main(["--checkpoint", str(trained["out"]), "--to", "hf", "--out",
+                      str(out)]) == 0
+  assert "model.safetensors, config.json" in capsys.readouterr().out
+  doc = json.loads((out / "config.json").read_text())
+  assert doc["architectures"] == ["LlamaForCausalLM"] and doc["tie_word_embeddings"]
+  weights, model_config = layers.from_hf(out)
+  assert model_config == trained["config"].model
+  tokens = trained["tokens"]
+  fresh = layers_linen.Transformer(model_config).init(jax.random.key(1), tokens)
+  loaded = layers.from_canonical(weights, like=fresh)
+  for a, b in zip(jax.tree.leaves(loaded["params"]), jax.tree.leaves(trained["params"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # the reference logits come from the 8-device sharded params (another summation order)
+  logits = layers_linen.Transformer(model_config).apply(loaded, tokens)
+  np.testing.assert_allclose(np.asarray(logits), trained["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_to_hf_errors(trained, tmp_path, capsys):
+  assert export.main(["--checkpoint", str(trained["out"]), "--to", "hf", "--architecture",
+                      "qwen2", "--out", str(tmp_path / "hf")]) == 2
+  assert "qkv_bias=False but architecture='qwen2'" in capsys.readouterr().err

@@ -1,0 +1,498 @@
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2) <-> canonical weights, without torch.
+
+:func:`from_hf` reads a local ``transformers`` directory (``config.json`` and ``*.safetensors``,
+one file or several with ``model.safetensors.index.json``) into canonical weights (see
+``layers._canonical``) and a :class:`~layers.TransformerConfig`; :func:`to_hf` writes them
+back as a directory ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+Tensor layout. A ``torch.nn.Linear`` weight is ``(out, in)``; the canonical kernel is
+``(*in_dims, *out_dims)``, so a projection is transposed and its merged ``heads * head_dim``
+dim split (row-major: head-major, as ``transformers`` views it). Both sides use the
+*rotate-half* RoPE convention (dim ``i`` pairs with dim ``i + head_dim / 2``, see
+``layers._core.rope``): ``transformers``' Llama checkpoints are already permuted into it
+from Meta's interleaved layout (``convert_llama_weights_to_hf.permute``), so no permutation
+is needed here. Query head ``h`` uses kv head ``h // (heads / kv_heads)`` in both (GQA).
+
+=============================================  ============================================
+Hugging Face (per layer ``i``)                  canonical
+=============================================  ============================================
+``model.embed_tokens.weight (vocab, embed)``   ``embed/embedding (vocab, embed)``
+``lm_head.weight (vocab, embed)``              ``lm_head/kernel (embed, vocab)`` (untied)
+``model.layers.i.input_layernorm.weight``      ``blocks/attn_norm/scale[i]``
+``self_attn.q_proj.weight (h*d, embed)``       ``blocks/attn/query/kernel[i] (embed, h, d)``
+``self_attn.{k,v}_proj.weight (kv*d, embed)``  ``blocks/attn/{key,value}/kernel[i]``
+``self_attn.{q,k,v}_proj.bias`` (Qwen2)        ``blocks/attn/{query,key,value}/bias[i]``
+``self_attn.o_proj.weight (embed, h*d)``       ``blocks/attn/out/kernel[i] (h, d, embed)``
+``post_attention_layernorm.weight``            ``blocks/mlp_norm/scale[i]``
+``mlp.{gate,up}_proj.weight (mlp, embed)``     ``blocks/mlp/{wi_gate,wi_up}/kernel[i]``
+``mlp.down_proj.weight (embed, mlp)``          ``blocks/mlp/wo/kernel[i] (mlp, embed)``
+``model.norm.weight``                          ``final_norm/scale``
+=============================================  ============================================
+
+Loading for a mesh (``mesh=``, ``rules=``) builds each weight with
+``jax.make_array_from_callback`` on the ``NamedSharding`` its logical axes get from the
+rules; the callback reads only that device's block of each layer's tensor with safetensors'
+``get_slice`` (a device block is read once even when several devices hold it), so no host
+holds a whole sharded tensor.
+
+Example:
+  >>> import layers
+  >>> layers.from_hf('no/such/dir')  # doctest: +ELLIPSIS
+  Traceback (most recent call last):
+  ...
+  layers.hf.HFError: from_hf: 'no/such/dir' has no config.json. Pass a local directory ...
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from layers._config import TransformerConfig
+from partition import PartitionError
+from partition._errors import format_message
+from partition._io import atomic_write
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM"}
+INDEX = "model.safetensors.index.json"
+
+
+class HFError(PartitionError, ValueError):
+  """A Hugging Face checkpoint that is missing, malformed, or not supported by ``layers``."""
+
+
+# -- config.json <-> TransformerConfig -------------------------------------------------------
+
+
+def _architecture(hf: Mapping[str, Any], where: str) -> str:
+  names = {v: k for k, v in ARCHITECTURES.items()}
+  for arch in hf.get("architectures") or ():
+    if arch in names:
+      return names[arch]
+  if hf.get("model_type") in ARCHITECTURES:
+    return hf["model_type"]
+  raise HFError(
+      f"from_hf: {where} has architectures={hf.get('architectures')!r}, model_type="
+      f"{hf.get('model_type')!r}; layers supports {sorted(ARCHITECTURES.values())} "
+      "(model_type llama, mistral, qwen2). Convert another family yourself into canonical "
+      "weights (layers.from_canonical).")
+
+
+def _rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
+  """``rope_theta`` from ``rope_parameters`` (transformers 5) or the top level (4.x);
+  any RoPE scaling is rejected."""
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = hf.get("rope_scaling")
+  for field, value in (("rope_parameters", params), ("rope_scaling", scaling or {})):
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind != "default":
+      problems.append(f"{field}.rope_type={kind!r}: scaled RoPE is not supported (layers "
+                      "computes the default rotary frequencies only)")
+  return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+
+
+def _unsupported(hf: Mapping[str, Any], arch: str, problems: list[str]) -> None:
+  if hf.get("hidden_act", "silu") != "silu":
+    problems.append(f"hidden_act={hf['hidden_act']!r}: layers' MLP is SwiGLU (silu)")
+  if hf.get("attention_bias"):
+    problems.append("attention_bias=True: Llama's flag also adds a bias to o_proj, which "
+                    "layers does not have (only Qwen2-style q/k/v biases)")
+  if hf.get("mlp_bias"):
+    problems.append("mlp_bias=True: layers' MLP has no biases")
+  if arch == "qwen2" and hf.get("use_sliding_window"):
+    problems.append("use_sliding_window=True: sliding-window attention is not supported")
+  layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
+  if layer_types and arch != "mistral":
+    problems.append(f"layer_types contains {sorted(layer_types)}: only full attention is "
+                    "supported")
+  if hf.get("quantization_config"):
+    problems.append("quantization_config is set: quantized checkpoints are not supported")
+
+
+def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str = "config.json"
+                   ) -> tuple[TransformerConfig, str]:
+  """``(TransformerConfig, architecture)`` of a ``transformers`` config dict.
+
+  Mistral's ``sliding_window`` becomes ``max_len = min(max_position_embeddings,
+  sliding_window)``: on sequences no longer than the window, sliding-window attention is
+  causal attention, and longer ones are rejected by the model's length check.
+
+  >>> cfg, arch = config_from_hf({'model_type': 'mistral', 'vocab_size': 8,
+  ...     'hidden_size': 8, 'intermediate_size': 16, 'num_hidden_layers': 1,
+  ...     'num_attention_heads': 2, 'max_position_embeddings': 4096, 'sliding_window': 512})
+  >>> arch, cfg.max_len, cfg.num_kv_heads, cfg.head_dim
+  ('mistral', 512, 2, 4)
+
+  Raises:
+    HFError: naming every unsupported field and value, or a missing required one.
+  """
+  arch = _architecture(hf, where)
+  required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads")
+  missing = [k for k in required if hf.get(k) is None]
+  if missing:
+    raise HFError(f"from_hf: {where} lacks {missing}; is it a {ARCHITECTURES[arch]} config?")
+  problems: list[str] = []
+  theta = _rope_theta(hf, problems)
+  _unsupported(hf, arch, problems)
+  if problems:
+    raise HFError(format_message(f"from_hf: {where} ({ARCHITECTURES[arch]}) uses "
+                                 f"{len(problems)} unsupported setting(s).", bullets=problems,
+                                 fix="layers would compute something else; use a checkpoint "
+                                     "without these settings."))
+  heads = hf["num_attention_heads"]
+  max_len = hf.get("max_position_embeddings") or 2048
+  if arch == "mistral" and hf.get("sliding_window"):
+    max_len = min(max_len, hf["sliding_window"])
+  config = TransformerConfig(
+      vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
+      mlp_dim=hf["intermediate_size"], num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      num_layers=hf["num_hidden_layers"], max_len=max_len, param_dtype=dtype,
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
+      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=arch == "qwen2")
+  return config, arch
+
+
+def config_to_hf(config: TransformerConfig, architecture: str, dtype: str) -> dict[str, Any]:
+  """The ``config.json`` dict of ``config`` as a ``transformers`` ``architecture``."""
+  hf = {"architectures": [ARCHITECTURES[architecture]], "model_type": architecture,
+        "vocab_size": config.vocab_size, "hidden_size": config.embed_dim,
+        "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": config.max_len,
+        "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
+        # both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "rope_theta": config.rope_theta, "dtype": dtype, "torch_dtype": dtype}
+  if architecture == "llama":
+    hf.update(attention_bias=False, mlp_bias=False)
+  if architecture == "mistral":
+    hf["sliding_window"] = None      # layers computes full causal attention
+  if architecture == "qwen2":
+    hf.update(use_sliding_window=False, sliding_window=None)
+  return hf
+
+
+# -- tensor layouts --------------------------------------------------------------------------
+
+
+class Layout(NamedTuple):
+  """How one canonical weight is stored by ``transformers``.
+
+  ``hf``: the tensor name (``{i}`` = layer index for ``blocks/...`` weights); ``groups``:
+  for each HF dim, the canonical per-layer dims merged into it (row-major); ``axes``: the
+  canonical weight's logical axes.
+  """
+
+  hf: str
+  groups: tuple[tuple[int, ...], ...]
+  axes: tuple[str, ...]
+
+  @property
+  def per_layer(self) -> bool:
+    return "{i}" in self.hf
+
+
+def layouts(config: TransformerConfig) -> dict[str, Layout]:
+  """``{canonical name: Layout}`` of every weight of ``config``'s model.
+
+  >>> out = layouts(TransformerConfig())['blocks/attn/out/kernel']
+  >>> out.hf, out.groups       # HF (embed, heads * head_dim) <- canonical (heads, head_dim, embed)
+  ('model.layers.{i}.self_attn.o_proj.weight', ((2,), (0, 1)))
+  """
+  a, m = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+  out = {
+      "embed/embedding": Layout("model.embed_tokens.weight", ((0,), (1,)), ("vocab", "embed")),
+      "blocks/attn_norm/scale": Layout("model.layers.{i}.input_layernorm.weight", ((0,),),
+                                       ("layers", "embed")),
+      "blocks/attn/query/kernel": Layout(a + "q_proj.weight", ((1, 2), (0,)),
+                                         ("layers", "embed", "heads", "head_dim")),
+      "blocks/attn/key/kernel": Layout(a + "k_proj.weight", ((1, 2), (0,)),
+                                       ("layers", "embed", "kv_heads", "head_dim")),
+      "blocks/attn/value/kernel": Layout(a + "v_proj.weight", ((1, 2), (0,)),
+                                         ("layers", "embed", "kv_heads", "head_dim")),
+      "blocks/attn/out/kernel": Layout(a + "o_proj.weight", ((2,), (0, 1)),
+                                       ("layers", "heads", "head_dim", "embed")),
+      "blocks/mlp_norm/scale": Layout("model.layers.{i}.post_attention_layernorm.weight",
+                                      ((0,),), ("layers", "embed")),
+      "blocks/mlp/wi_gate/kernel": Layout(m + "gate_proj.weight", ((1,), (0,)),
+                                          ("layers", "embed", "mlp")),
+      "blocks/mlp/wi_up/kernel": Layout(m + "up_proj.weight", ((1,), (0,)),
+                                        ("layers", "embed", "mlp")),
+      "blocks/mlp/wo/kernel": Layout(m + "down_proj.weight", ((1,), (0,)),
+                                     ("layers", "mlp", "embed")),
+      "final_norm/scale": Layout("model.norm.weight", ((0,),), ("embed",)),
+  }
+  if not config.tie_embeddings:
+    out["lm_head/kernel"] = Layout("lm_head.weight", ((1,), (0,)), ("embed", "vocab"))
+  if config.qkv_bias:
+    for name, proj, heads in (("query", "q", "heads"), ("key", "k", "kv_heads"),
+                              ("value", "v", "kv_heads")):
+      out[f"blocks/attn/{name}/bias"] = Layout(a + f"{proj}_proj.bias", ((0, 1),),
+                                               ("layers", heads, "head_dim"))
+  return out
+
+
+def canonical_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+  """``{canonical name: shape}`` of ``config``'s weights (blocks stacked on ``layers``)."""
+  sizes = {"vocab": config.vocab_size, "embed": config.embed_dim, "mlp": config.mlp_dim,
+           "heads": config.num_heads, "kv_heads": config.num_kv_heads,
+           "head_dim": config.head_dim, "layers": config.num_layers}
+  return {name: tuple(sizes[a] for a in lay.axes) for name, lay in layouts(config).items()}
+
+
+def _hf_shape(lay: Layout, shape: tuple[int, ...]) -> tuple[int, ...]:
+  return tuple(math.prod(shape[d] for d in g) for g in lay.groups)
+
+
+def _read_block(tensor: Any, lay: Layout, shape: tuple[int, ...],
+                index: tuple[slice, ...]) -> np.ndarray:
+  """The canonical block ``index`` (per-layer dims) of one HF tensor, read with
+  ``get_slice``: each HF dim reads the rows of its first canonical dim's range (the
+  others of its group whole), then the block is cut, reshaped and transposed."""
+  hf_index, block_shape, cuts = [], [], []
+  for group in lay.groups:
+    first, rest = index[group[0]], group[1:]
+    inner = math.prod(shape[d] for d in rest)
+    hf_index.append(slice(first.start * inner, first.stop * inner))
+    block_shape += [first.stop - first.start, *(shape[d] for d in rest)]
+    cuts += [slice(None), *(index[d] for d in rest)]
+  block = np.asarray(tensor[tuple(hf_index)]).reshape(block_shape)[tuple(cuts)]
+  order = [d for g in lay.groups for d in g]
+  return block.transpose(np.argsort(order))
+
+
+def _to_hf_tensor(value: np.ndarray, lay: Layout) -> np.ndarray:
+  """A canonical per-layer array as the HF tensor (inverse of :func:`_read_block`)."""
+  order = [d for g in lay.groups for d in g]
+  return np.ascontiguousarray(value.transpose(order).reshape(_hf_shape(lay, value.shape)))
+
+
+# -- files -----------------------------------------------------------------------------------
+
+
+class _Files:
+  """The safetensors files of a checkpoint: which file holds each tensor, opened lazily."""
+
+  def __init__(self, directory: pathlib.Path):
+    import safetensors
+    self.directory, self._open, self._handles = directory, safetensors.safe_open, {}
+    index = directory / INDEX
+    if index.is_file():
+      self.where = {k: directory / v for k, v in json.loads(index.read_text())
+                    ["weight_map"].items()}
+    else:
+      files = sorted(directory.glob("*.safetensors"))
+      if not files:
+        raise HFError(f"from_hf: {str(directory)!r} has no *.safetensors files. Save the "
+                      "model with save_pretrained(..., safe_serialization=True); .bin "
+                      "(pickle) checkpoints are not read.")
+      self.where = {k: f for f in files for k in self.handle(f, "numpy").keys()}
+
+  def handle(self, file: pathlib.Path, framework: str) -> Any:
+    if (file, framework) not in self._handles:
+      if not file.is_file():
+        raise HFError(f"from_hf: {INDEX} in {str(self.directory)!r} names {file.name!r}, "
+                      "which does not exist. Copy the whole checkpoint directory.")
+      self._handles[file, framework] = self._open(str(file), framework=framework)
+    return self._handles[file, framework]
+
+  def slice(self, name: str) -> Any:
+    """safetensors' lazy slice of ``name`` (numpy; jax for bfloat16/float8, which numpy
+    lacks)."""
+    lazy = self.handle(self.where[name], "numpy").get_slice(name)
+    if lazy.get_dtype() in ("BF16", "F8_E4M3", "F8_E5M2"):
+      lazy = self.handle(self.where[name], "flax").get_slice(name)
+    return lazy
+
+
+def _check_tensors(files: _Files, config: TransformerConfig, where: str) -> None:
+  problems = []
+  shapes = canonical_shapes(config)
+  for name, lay in layouts(config).items():
+    per_layer = shapes[name][1:] if lay.per_layer else shapes[name]
+    want = _hf_shape(lay, per_layer)
+    for i in range(config.num_layers if lay.per_layer else 1):
+      key = lay.hf.format(i=i)
+      if key not in files.where:
+        problems.append(f"{key}: missing (needed for {name})")
+        continue
+      got = tuple(files.slice(key).get_shape())
+      if got != want:
+        problems.append(f"{key}: shape {got}, config.json implies {want}")
+  if problems:
+    raise HFError(format_message(
+        f"from_hf: {where}: {len(problems)} tensor(s) do not match config.json.",
+        bullets=problems[:20] + ([f"... {len(problems) - 20} more"] if len(problems) > 20
+                                 else []),
+        fix="Use the config.json saved with these weights (or re-save the model)."))
+
+
+# -- from_hf / to_hf -------------------------------------------------------------------------
+
+
+def _normalize(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+  return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def _load_one(files: _Files, lay: Layout, shape: tuple[int, ...], dtype: Any,
+              sharding: Any) -> jax.Array:
+  blocks: dict[tuple, np.ndarray] = {}
+
+  def read(index: tuple[slice, ...]) -> np.ndarray:
+    index = _normalize(index, shape)
+    key = tuple((s.start, s.stop) for s in index)
+    if key not in blocks:         # devices holding the same block share one read
+      if lay.per_layer:
+        layers = range(index[0].start, index[0].stop)
+        parts = [_read_block(files.slice(lay.hf.format(i=i)), lay, shape[1:], index[1:])
+                 for i in layers]
+        blocks[key] = np.stack(parts).astype(dtype)
+      else:
+        blocks[key] = _read_block(files.slice(lay.hf), lay, shape, index).astype(dtype)
+    return blocks[key]
+
+  if sharding is None:
+    return jnp.asarray(read(tuple(slice(None) for _ in shape)))
+  return jax.make_array_from_callback(shape, sharding, read)
+
+
+def from_hf(path: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None,
+            rules: Any = None, dtype: Any = "float32"
+            ) -> tuple[dict[str, jax.Array], TransformerConfig]:
+  """Canonical weights and config of a local Hugging Face Llama/Mistral/Qwen2 checkpoint.
+
+  Args:
+    path: a directory with ``config.json`` and ``*.safetensors`` (one file, several, or
+      shards listed by ``model.safetensors.index.json``), as ``save_pretrained`` writes.
+    mesh: place each weight on this mesh, each device reading only its block.
+    rules: the ``partition.AxisRules`` (or a rules table) giving each weight's sharding
+      from its logical axes (``Layout.axes``); required with ``mesh``.
+    dtype: the weights' dtype and the config's ``param_dtype``.
+
+  Returns:
+    ``(weights, config)``: ``{canonical name: jax.Array}`` with blocks stacked on a leading
+    ``layers`` dim (feed to ``layers.from_canonical``), and the ``TransformerConfig``.
+
+  Raises:
+    HFError: a missing directory/config/tensor, a tensor whose shape disagrees with
+      ``config.json``, or an unsupported architecture or setting (named with its value).
+  """
+  directory = pathlib.Path(path)
+  config_file = directory / "config.json"
+  if not config_file.is_file():
+    raise HFError(f"from_hf: {str(path)!r} has no config.json. Pass a local directory "
+                  "written by transformers' save_pretrained (config.json + *.safetensors).")
+  config, _ = config_from_hf(json.loads(config_file.read_text()), dtype=dtype,
+                             where=str(config_file))
+  if mesh is not None and rules is None:
+    raise HFError("from_hf: mesh= needs rules= (e.g. partition.AxisRules.from_file("
+                  "'recipes/presets/fsdp_tp.yaml')) to place the weights by their logical "
+                  "axes.")
+  if mesh is not None:
+    import partition
+    rules = partition.current_rules(rules)
+  files = _Files(directory)
+  _check_tensors(files, config, str(directory))
+  weights = {}
+  for name, shape in canonical_shapes(config).items():
+    lay = layouts(config)[name]
+    sharding = None if mesh is None else rules.sharding(lay.axes, mesh, shape)
+    weights[name] = _load_one(files, lay, shape, config.param_dtype, sharding)
+  return weights, config
+
+
+def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pathlib.Path,
+          *, architecture: str | None = None, max_shard_bytes: int | None = None) -> list[str]:
+  """Writes canonical weights as a ``transformers`` checkpoint directory.
+
+  Args:
+    weights: ``{canonical name: array}`` (``layers.to_canonical`` or :func:`from_hf`).
+    config: their ``TransformerConfig`` (dense MLP; ``num_experts == 0``).
+    path: the directory (created); ``config.json`` and ``model.safetensors`` go there, or
+      ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
+      tensors exceed ``max_shard_bytes``.
+    architecture: ``'llama'``, ``'mistral'`` or ``'qwen2'``; default ``'qwen2'`` with
+      ``qkv_bias`` else ``'llama'``.
+
+  Returns:
+    The names of the files written. Arrays are gathered to the host one at a time.
+
+  Raises:
+    HFError: an MoE config, an architecture that cannot express ``config``, or weights
+      missing, extra, or of the wrong shape.
+  """
+  architecture = architecture or ("qwen2" if config.qkv_bias else "llama")
+  problems = []
+  if architecture not in ARCHITECTURES:
+    problems.append(f"architecture={architecture!r} is not one of {sorted(ARCHITECTURES)}")
+  elif config.qkv_bias != (architecture == "qwen2"):
+    problems.append(f"qkv_bias={config.qkv_bias} but architecture={architecture!r}: only "
+                    "qwen2 has q/k/v biases (and always has them)")
+  if config.num_experts:
+    problems.append(f"num_experts={config.num_experts}: Llama/Mistral/Qwen2 are dense")
+  shapes = canonical_shapes(config)
+  for name in sorted(set(shapes) | set(weights)):
+    if name not in weights:
+      problems.append(f"{name}: missing from the weights")
+    elif name not in shapes:
+      problems.append(f"{name}: not a weight of this config (shape {np.shape(weights[name])})")
+    elif tuple(np.shape(weights[name])) != shapes[name]:
+      problems.append(f"{name}: shape {tuple(np.shape(weights[name]))}, config implies "
+                      f"{shapes[name]}")
+  if problems:
+    raise HFError(format_message(f"to_hf: cannot write {str(path)!r}.", bullets=problems,
+                                 fix="Pass the weights with the TransformerConfig they were "
+                                     "trained with (dense, untied or tied as built)."))
+  tensors = {}
+  for name, lay in layouts(config).items():
+    value = np.asarray(jax.device_get(weights[name]))
+    for i, part in enumerate(value if lay.per_layer else [value]):
+      tensors[lay.hf.format(i=i)] = _to_hf_tensor(part, lay)
+  directory = pathlib.Path(path)
+  directory.mkdir(parents=True, exist_ok=True)
+  for old in directory.glob("*.safetensors"):
+    old.unlink()
+  (directory / INDEX).unlink(missing_ok=True)
+  dtype = str(next(iter(tensors.values())).dtype)
+  written = _write_tensors(directory, tensors, max_shard_bytes)
+  atomic_write(directory / "config.json",
+               json.dumps(config_to_hf(config, architecture, dtype), indent=2) + "\n")
+  return [*written, "config.json"]
+
+
+def _write_tensors(directory: pathlib.Path, tensors: dict[str, np.ndarray],
+                   max_shard_bytes: int | None) -> list[str]:
+  import safetensors.numpy
+
+  shards, size = [{}], 0
+  for key in sorted(tensors):
+    if max_shard_bytes and shards[-1] and size + tensors[key].nbytes > max_shard_bytes:
+      shards.append({})
+      size = 0
+    shards[-1][key] = tensors[key]
+    size += tensors[key].nbytes
+  if len(shards) == 1:
+    names = ["model.safetensors"]
+  else:
+    names = [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+  for name, shard in zip(names, shards):
+    atomic_write(directory / name, safetensors.numpy.save(shard, metadata={"format": "pt"}))
+  if len(shards) > 1:
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())},
+             "weight_map": {k: n for n, s in zip(names, shards) for k in s}}
+    atomic_write(directory / INDEX, json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return [*names, INDEX]
+  return names
+

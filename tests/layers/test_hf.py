@@ -1,0 +1,327 @@
+"""``layers.from_hf`` / ``layers.to_hf`` against ``transformers``' own logits.
+
+References: ``tests/layers/data/hf/<model>/golden.npz``, the logits ``transformers`` (fp32,
+eager attention) computed for tiny random Llama / Mistral / Qwen2 checkpoints saved next to
+them by ``scripts/make_hf_goldens.py``; the suite itself needs neither torch nor
+transformers. Mesh loading is checked against the one-device load and by counting the bytes
+safetensors' ``get_slice`` hands out.
+"""
+
+import dataclasses
+import json
+import pathlib
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors
+import safetensors.numpy
+from layers_testlib import FSDP_TP, MESH, build, canonical_axes
+
+import layers
+import partition
+from layers import hf
+from layers._params import LayerArgumentError
+
+DATA = pathlib.Path(__file__).parent / "data" / "hf"
+MODELS = ("llama", "mistral", "qwen2")
+FRAMEWORKS = ("linen", "nnx", "haiku")
+
+
+def golden(name):
+  with np.load(DATA / name / "golden.npz") as f:
+    return f["tokens"], f["logits"]
+
+
+def logits_of(framework, weights, cfg, tokens):
+  built = build(framework, cfg, tokens=jnp.asarray(tokens))
+  params = layers.from_canonical(weights, like=built.params)
+  return np.asarray(built.apply(params, jnp.asarray(tokens)))
+
+
+def assert_logits_close(ours, theirs):
+  # fp32 on both sides; rounding in the 2-layer sums is relative to the logits' scale, not
+  # to each (possibly near-zero) logit, so the absolute floor is 1e-5 of their largest
+  # magnitude (~4.5e-5; measured differences are <= 3.4e-6).
+  np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-5 * np.abs(theirs).max())
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("name", MODELS)
+def test_logits_match_transformers(name, framework):
+  weights, cfg = layers.from_hf(DATA / name)
+  tokens, expected = golden(name)
+  assert_logits_close(logits_of(framework, weights, cfg, tokens), expected)
+
+
+def test_scanned_layers_match_too():
+  weights, cfg = layers.from_hf(DATA / "qwen2")
+  tokens, expected = golden("qwen2")
+  scanned = dataclasses.replace(cfg, scan_layers=True)
+  assert_logits_close(logits_of("linen", weights, scanned, tokens), expected)
+
+
+def test_every_field_matters():
+  """The comparison can fail: a wrong rope_theta or norm epsilon, or a dropped bias or
+  untied head, moves the logits far outside the tolerance."""
+  tokens, expected = golden("qwen2")
+  weights, cfg = layers.from_hf(DATA / "qwen2")
+  for change in (dict(rope_theta=10_000.0), dict(norm_eps=1e-2)):
+    wrong = logits_of("linen", weights, dataclasses.replace(cfg, **change), tokens)
+    assert np.abs(wrong - expected).max() > 1e-2, change
+  zero_bias = {k: jnp.zeros_like(v) if k.endswith("/bias") else v for k, v in weights.items()}
+  assert np.abs(logits_of("linen", zero_bias, cfg, tokens) - expected).max() > 1e-2
+  weights, cfg = layers.from_hf(DATA / "llama")
+  tokens, expected = golden("llama")
+  tied = {k: v for k, v in weights.items() if k != "lm_head/kernel"}
+  wrong = logits_of("linen", tied, dataclasses.replace(cfg, tie_embeddings=True), tokens)
+  assert np.abs(wrong - expected).max() > 1e-2
+
+
+def test_configs():
+  _, llama = layers.from_hf(DATA / "llama")
+  assert (llama.head_dim, llama.num_heads, llama.num_kv_heads, llama.tie_embeddings,
+          llama.rope_theta, llama.qkv_bias) == (16, 4, 2, False, 500_000.0, False)
+  _, mistral = layers.from_hf(DATA / "mistral")
+  # sliding_window 16 < max_position_embeddings 64: longer inputs are refused, not mis-computed
+  assert (mistral.max_len, mistral.norm_eps, mistral.num_kv_heads) == (16, 1e-5, 1)
+  weights, qwen = layers.from_hf(DATA / "qwen2")
+  assert qwen.qkv_bias and qwen.tie_embeddings and "lm_head/kernel" not in weights
+  assert weights["blocks/attn/key/bias"].shape == (2, 2, 8)
+
+
+def test_sliding_window_limits_the_length():
+  weights, cfg = layers.from_hf(DATA / "mistral")
+  built = build("linen", cfg, tokens=jnp.zeros((1, 16), jnp.int32))
+  with pytest.raises(LayerArgumentError, match="length 17 > config.max_len=16"):
+    built.apply(built.params, jnp.zeros((1, 17), jnp.int32))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_round_trip_is_bit_exact(name, tmp_path):
+  weights, cfg = layers.from_hf(DATA / name)
+  files = layers.to_hf(weights, cfg, tmp_path / "out", architecture=name,
+                       max_shard_bytes=40_000)
+  assert "model.safetensors.index.json" in files   # sharded on the way back too
+  again, cfg2 = layers.from_hf(tmp_path / "out")
+  assert cfg2 == cfg and sorted(again) == sorted(weights)
+  for k in weights:
+    np.testing.assert_array_equal(np.asarray(again[k]), np.asarray(weights[k]), err_msg=k)
+  # the tensors themselves equal the original checkpoint's, name for name
+  original = hf._Files(DATA / name)
+  written = hf._Files(tmp_path / "out")
+  assert sorted(original.where) == sorted(written.where)
+  for key in original.where:
+    np.testing.assert_array_equal(original.slice(key)[:], written.slice(key)[:], err_msg=key)
+
+
+def test_round_trip_through_a_framework(tmp_path):
+  """linen params -> to_canonical -> to_hf -> from_hf -> from_canonical: the same params."""
+  weights, cfg = layers.from_hf(DATA / "llama")
+  built = build("nnx", cfg, tokens=jnp.zeros((1, 4), jnp.int32))
+  params = layers.from_canonical(weights, like=built.params)
+  layers.to_hf(layers.to_canonical(params), cfg, tmp_path)
+  back = layers.from_canonical(layers.from_hf(tmp_path)[0], like=built.params)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert json.loads((tmp_path / "config.json").read_text())["architectures"] == [
+      "LlamaForCausalLM"]
+
+
+def test_layout_axes_are_the_models_axes():
+  """from_hf shards each weight by the logical axes the frameworks declare for it (the
+  unfused ones: q/k/v and gate/up are fused in the frameworks' own layout)."""
+  _, cfg = layers.from_hf(DATA / "llama")
+  variables = jax.eval_shape(layers.linen.Transformer(cfg).init, jax.random.key(0),
+                             jnp.zeros((1, 4), jnp.int32))
+  declared = canonical_axes(partition.logical_axes(variables)["params"])
+  ours = {k: lay.axes for k, lay in hf.layouts(cfg).items()}
+  shared = sorted(set(ours) & set(declared))
+  assert {"embed/embedding", "lm_head/kernel", "blocks/attn/out/kernel",
+          "blocks/mlp/wo/kernel", "final_norm/scale"} <= set(shared), shared
+  assert {k: ours[k] for k in shared} == {k: declared[k] for k in shared}
+
+
+class CountingOpen:
+  """``safetensors.safe_open`` that records every block read through ``get_slice``."""
+
+  def __init__(self, real):
+    self.real, self.reads = real, []
+
+  def __call__(self, file, framework):
+    handle, reads = self.real(file, framework=framework), self.reads
+
+    class Handle:
+      def keys(self):
+        return handle.keys()
+
+      def get_slice(self, name):
+        lazy = handle.get_slice(name)
+
+        class Slice:
+          def get_shape(self):
+            return lazy.get_shape()
+
+          def get_dtype(self):
+            return lazy.get_dtype()
+
+          def __getitem__(self, index):
+            block = lazy[index]
+            reads.append((name, tuple(lazy.get_shape()), np.asarray(block).nbytes))
+            return block
+        return Slice()
+    return Handle()
+
+
+def test_mesh_load_reads_each_device_block_once(monkeypatch):
+  counter = CountingOpen(safetensors.safe_open)
+  monkeypatch.setattr(safetensors, "safe_open", counter)
+  sharded, cfg = layers.from_hf(DATA / "llama", mesh=MESH, rules=FSDP_TP)
+  monkeypatch.undo()
+  plain, _ = layers.from_hf(DATA / "llama")
+  total = 0   # fp32: 4 bytes an element
+  for name, array in sharded.items():
+    np.testing.assert_array_equal(np.asarray(array), np.asarray(plain[name]), err_msg=name)
+    lay = hf.layouts(cfg)[name]
+    assert array.sharding.spec == FSDP_TP.spec(lay.axes, array.shape, MESH), name
+    # the distinct device blocks: each is read once, replicas share the read
+    blocks = {tuple((s.start, s.stop) for s in idx)
+              for idx in array.sharding.devices_indices_map(array.shape).values()}
+    total += len(blocks) * int(np.prod(array.sharding.shard_shape(array.shape))) * 4
+  # every byte of the checkpoint is read exactly once...
+  assert sum(n for _, _, n in counter.reads) == total == sum(v.nbytes for v in plain.values())
+  # ...and a tensor sharded over k devices is read in blocks of 1/k of it, never whole
+  embed = [n for key, _, n in counter.reads if key == "model.embed_tokens.weight"]
+  full = plain["embed/embedding"].nbytes
+  assert sharded["embed/embedding"].sharding.spec == jax.sharding.PartitionSpec("tensor",
+                                                                                "fsdp")
+  assert embed == [full // 4] * 4
+  query = [n for key, _, n in counter.reads if key == "model.layers.0.self_attn.q_proj.weight"]
+  assert query == [plain["blocks/attn/query/kernel"][0].nbytes // 4] * 4
+
+
+def test_mesh_load_needs_rules():
+  with pytest.raises(hf.HFError, match="mesh= needs rules="):
+    layers.from_hf(DATA / "llama", mesh=MESH)
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+
+def copy_of(name, tmp_path):
+  return pathlib.Path(shutil.copytree(DATA / name, tmp_path / name))
+
+
+def edit_config(directory, **changes):
+  path = directory / "config.json"
+  config = json.loads(path.read_text())
+  config.update(changes)
+  path.write_text(json.dumps(config))
+
+
+def test_missing_directory_or_config(tmp_path):
+  with pytest.raises(hf.HFError, match=r"has no config.json. Pass a local directory"):
+    layers.from_hf(tmp_path)
+  (tmp_path / "config.json").write_text((DATA / "llama" / "config.json").read_text())
+  with pytest.raises(hf.HFError, match=r"no \*.safetensors files"):
+    layers.from_hf(tmp_path)
+
+
+def test_missing_tensor(tmp_path):
+  directory = copy_of("llama", tmp_path)
+  tensors = safetensors.numpy.load_file(directory / "model.safetensors")
+  del tensors["model.layers.1.mlp.up_proj.weight"]
+  safetensors.numpy.save_file(tensors, directory / "model.safetensors")
+  with pytest.raises(hf.HFError, match=r"1 tensor\(s\) do not match config.json"
+                                       r"[\s\S]*model.layers.1.mlp.up_proj.weight: missing "
+                                       r"\(needed for blocks/mlp/wi_up/kernel\)"):
+    layers.from_hf(directory)
+
+
+def test_missing_shard_file(tmp_path):
+  directory = copy_of("mistral", tmp_path)
+  next(directory.glob("model-00002-*.safetensors")).unlink()
+  with pytest.raises(hf.HFError, match=r"names 'model-00002-of-00002.safetensors', which "
+                                       "does not exist"):
+    layers.from_hf(directory)
+
+
+def test_wrong_shape(tmp_path):
+  directory = copy_of("qwen2", tmp_path)
+  edit_config(directory, intermediate_size=64)
+  with pytest.raises(hf.HFError, match=r"model.layers.0.mlp.gate_proj.weight: shape "
+                                       r"\(48, 32\), config.json implies \(64, 32\)"):
+    layers.from_hf(directory)
+
+
+def test_unsupported_architecture(tmp_path):
+  directory = copy_of("llama", tmp_path)
+  edit_config(directory, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+  with pytest.raises(hf.HFError, match=r"architectures=\['GPT2LMHeadModel'\], "
+                                       r"model_type='gpt2'; layers supports"):
+    layers.from_hf(directory)
+
+
+@pytest.mark.parametrize("name, changes, message", [
+    ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+     "rope_parameters.rope_type='llama3': scaled RoPE is not supported"),
+    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_scaling.rope_type='linear'"),
+    ("llama", dict(attention_bias=True), "attention_bias=True: Llama's flag also adds a bias "
+                                         "to o_proj"),
+    ("llama", dict(mlp_bias=True), "mlp_bias=True: layers' MLP has no biases"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8),
+     "use_sliding_window=True: sliding-window attention is not supported"),
+    ("qwen2", dict(layer_types=["full_attention", "sliding_attention"]),
+     r"layer_types contains \['sliding_attention'\]"),
+])
+def test_unsupported_settings(name, changes, message, tmp_path):
+  directory = copy_of(name, tmp_path)
+  edit_config(directory, **changes)
+  with pytest.raises(hf.HFError, match=message):
+    layers.from_hf(directory)
+
+
+def test_to_hf_errors(tmp_path):
+  weights, cfg = layers.from_hf(DATA / "qwen2")
+  with pytest.raises(hf.HFError, match=r"qkv_bias=True but architecture='llama'"):
+    layers.to_hf(weights, cfg, tmp_path, architecture="llama")
+  partial = {k: v for k, v in weights.items() if k != "final_norm/scale"}
+  with pytest.raises(hf.HFError, match=r"final_norm/scale: missing from the weights"):
+    layers.to_hf(partial, cfg, tmp_path)
+  with pytest.raises(hf.HFError, match=r"num_experts=2: Llama/Mistral/Qwen2 are dense"):
+    layers.to_hf(weights, dataclasses.replace(cfg, num_experts=2), tmp_path)
+  assert not list(tmp_path.iterdir())   # nothing written on error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_transformers_loads_to_hf_output(name, tmp_path):
+  """Only with the optional [hf] extra: transformers reads what to_hf wrote."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  weights, cfg = layers.from_hf(DATA / name)
+  layers.to_hf(weights, cfg, tmp_path, architecture=name)
+  model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
+                                                            attn_implementation="eager")
+  tokens, expected = golden(name)
+  with torch.no_grad():
+    logits = model(torch.from_numpy(tokens).long()).logits.numpy()
+  np.testing.assert_array_equal(logits, expected)   # same weights, same program: same bits
+
+
+def test_docs_hf_python_blocks_run(monkeypatch, tmp_path, capsys):
+  """docs/hf.md: its Python snippets run as written (from the repository root)."""
+  import re
+  root = pathlib.Path(__file__).resolve().parents[2]
+  doc = (root / "docs" / "hf.md").read_text().replace("/tmp/qwen2_copy", str(tmp_path))
+  blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
+  assert len(blocks) == 2
+  monkeypatch.chdir(root)
+  exec(compile("\n".join(blocks), "docs/hf.md", "exec"), {})
+  assert capsys.readouterr().out.split("\n")[:2] == [
+      "2 True True 1000000.0", "P(None, 'fsdp', 'tensor', None)"]
+  assert (tmp_path / "model.safetensors").is_file()
