@@ -294,8 +294,9 @@ def _reshape(a: jax.Array, shape: tuple[int, ...], keep_from: int) -> jax.Array:
   if not explicit or spec is None:
     return a.reshape(shape)
   spec = tuple(spec) + (None,) * (a.ndim - len(spec))
-  # Splitting [B] -> [B/m, m] keeps B's mesh axes on B/m; merging puts them back on B.
-  lead = (spec[0], None) if keep_from == 1 else (spec[1],)
+  # Splitting [B] -> [B/m, m] keeps B's mesh axes on B/m; merging [B/m, m] -> [B] puts them
+  # back on B (the micro-batch dim m is never sharded).
+  lead = (spec[0], None) if keep_from == 1 else (spec[0],)
   rest = spec[1:] if keep_from == 1 else spec[2:]
   return lax.reshape(a, shape, out_sharding=PartitionSpec(*lead, *rest))
 
