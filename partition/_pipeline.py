@@ -118,6 +118,44 @@ class PipelinePlan:
     return tuple(rep * self.stages * k + stage * k + j
                  for rep in range(self.repeats) for j in range(k))
 
+  def schedule(self) -> tuple[tuple[tuple[int, int] | None, ...], ...]:
+    """Who works on what: ``[iteration][stage]`` -> ``(micro-batch, repeat)`` or ``None`` (idle).
+
+    Stage ``s`` at iteration ``t`` holds item ``k = t - s`` (micro-batch ``k mod m`` on its
+    ``k // m``-th trip round the ring) when ``0 <= k < r m``; the program runs exactly this.
+
+    >>> PipelinePlan('stage', 2, 1, 2, 2).schedule()
+    (((0, 0), None), ((1, 0), (0, 0)), (None, (1, 0)))
+    """
+    total = self.repeats * self.microbatches
+    return tuple(
+        tuple((k % self.microbatches, k // self.microbatches) if 0 <= (k := t - s) < total
+              else None for s in range(self.stages))
+        for t in range(self.iterations))
+
+  def diagram(self) -> str:
+    """The forward schedule as text: one row per stage, one column per iteration.
+
+    A cell is the micro-batch the stage works on (``.`` idle); circular schedules add the
+    trip round the ring as a letter (``0a`` = micro-batch 0, first trip). The backward pass
+    is the same picture run from right to left.
+
+    >>> print(PipelinePlan('stage', 2, 1, 3, 2).diagram())
+    stage 0 |  0  1  2  .
+    stage 1 |  .  0  1  2
+    """
+    width = 3 if self.repeats == 1 else 4
+    rows = []
+    for s in range(self.stages):
+      cells = []
+      for step in self.schedule():
+        cell = step[s]
+        text = "." if cell is None else (
+            f"{cell[0]}" if self.repeats == 1 else f"{cell[0]}{chr(ord('a') + cell[1])}")
+        cells.append(text.rjust(width - 1))
+      rows.append(f"stage {s} | " + " ".join(cells))
+    return "\n".join(rows)
+
   def __repr__(self) -> str:
     return (f"PipelinePlan(stage_axis={self.stage_axis!r}, stages={self.stages}, "
             f"repeats={self.repeats}, microbatches={self.microbatches}, "
