@@ -277,7 +277,7 @@ def _circular_chunks(local_params: Any, plan: PipelinePlan) -> Any:
   The ``layers -> stage`` sharding gives stage ``a`` the contiguous chunks ``a r .. a r + r
   - 1``; the circular schedule wants chunks ``s, s + p, ...``. Chunk ``c`` moves from stage
   ``c // r`` to stage ``c mod p`` (slot ``c // p``) in rounds of ``ppermute``s, each a
-  partial permutation, so every chunk crosses the ring once (never an all-gather).
+  partial permutation, so every chunk that moves is sent once (never an all-gather).
   """
   p, r, k, stage = plan.stages, plan.repeats, plan.layers_per_chunk, plan.stage_axis
   chunks = jax.tree.map(lambda a: a.reshape(r, k, *a.shape[1:]), local_params)
@@ -285,34 +285,83 @@ def _circular_chunks(local_params: Any, plan: PipelinePlan) -> Any:
     return chunks
   s = lax.axis_index(stage)
   out = jax.tree.map(jnp.zeros_like, chunks)
-  for shift, sends in _relayout_rounds(p, r):
-    # sends[a] = (local chunk b on source a, slot on the target) or None.
-    src = jnp.asarray([b[0] if b else 0 for b in sends])
-    dst_slot = jnp.asarray([sends[(t - shift) % p][1] if sends[(t - shift) % p] else 0
-                            for t in range(p)])
-    got = jnp.asarray([sends[(t - shift) % p] is not None for t in range(p)])
+  for moves in _relayout_rounds(p, r):
+    # moves: (source stage, target stage, local chunk on the source, slot on the target);
+    # within a round every stage sends at most one chunk and receives at most one.
+    send = {a: b for a, _, b, _ in moves}
+    recv = {t: slot for _, t, _, slot in moves}
+    src = jnp.asarray([send.get(a, 0) for a in range(p)])
+    dst_slot = jnp.asarray([recv.get(t, 0) for t in range(p)])
+    got = jnp.asarray([t in recv for t in range(p)])
     piece = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, src[s], keepdims=False),
                          chunks)
-    if shift:
-      pairs = [(a, (a + shift) % p) for a in range(p) if sends[a] is not None]
+    pairs = [(a, t) for a, t, _, _ in moves if a != t]
+    if pairs:
       piece = lax.ppermute(piece, stage, pairs)
     out = jax.tree.map(lambda o, v: _write_slot(o, v, dst_slot[s], got[s]), out, piece)
   return out
 
 
-def _relayout_rounds(p: int, r: int) -> list[tuple[int, list[tuple[int, int] | None]]]:
-  """Rounds ``(shift, sends)`` moving chunk ``c = a r + b`` from stage a to ``c mod p``.
+def _relayout_rounds(p: int, r: int) -> list[list[tuple[int, int, int, int]]]:
+  """Rounds of moves ``(source, target, local chunk, target slot)`` for chunk ``c = a r + b``
+  from stage ``a`` to stage ``c mod p``, slot ``c // p``.
+
+  The first rounds keep the chunks already in place (no transfer). The others are the
+  transfers, coloured so that no stage sends or receives twice in a round (an edge colouring
+  of the bipartite source -> target multigraph, Koenig: as many rounds as the busiest stage
+  has transfers), so each round is one ``ppermute`` and the busiest stage sends only what
+  it must.
 
   >>> _relayout_rounds(2, 2)
-  [(0, [(0, 0), (1, 1)]), (1, [(1, 0), (0, 1)])]
+  [[(0, 0, 0, 0), (1, 1, 1, 1)], [(0, 1, 1, 0), (1, 0, 0, 1)]]
   """
-  rounds = []
-  for shift in range(p):
-    per_source = [[(b, (a * r + b) // p) for b in range(r) if (a * r + b) % p == (a + shift) % p]
-                  for a in range(p)]
-    for k in range(max(len(lst) for lst in per_source)):
-      rounds.append((shift, [lst[k] if k < len(lst) else None for lst in per_source]))
-  return rounds
+  moves = [(a, (a * r + b) % p, b, (a * r + b) // p) for a in range(p) for b in range(r)]
+  local = [[mv for mv in moves if mv[0] == mv[1] == a] for a in range(p)]
+  kept = [[stage[k] for stage in local if k < len(stage)]
+          for k in range(max(len(stage) for stage in local))]
+  remote = [mv for mv in moves if mv[0] != mv[1]]
+  colour_of = _edge_colouring([(a, t) for a, t, _, _ in remote])
+  sent = [[mv for mv, c in zip(remote, colour_of) if c == colour]
+          for colour in range(max(colour_of, default=-1) + 1)]
+  return kept + sent
+
+
+def _edge_colouring(edges: list[tuple[int, int]]) -> list[int]:
+  """Colours bipartite ``(source, target)`` edges, no two of one colour at a vertex, with as
+  many colours as the largest degree (the alternating-path proof of Koenig's theorem)."""
+  degree = max([sum(1 for e in edges if e[0] == a) for a, _ in edges]
+               + [sum(1 for e in edges if e[1] == t) for _, t in edges], default=0)
+  at: dict[tuple[str, int], dict[int, int]] = {}  # vertex -> {colour: edge index}
+  colour = [-1] * len(edges)
+
+  def free(vertex):
+    used = at.setdefault(vertex, {})
+    return next(c for c in range(degree) if c not in used)
+
+  for i, (a, t) in enumerate(edges):
+    u, v = ("src", a), ("dst", t)
+    alpha, beta = free(u), free(v)
+    if alpha in at.setdefault(v, {}):
+      # Swap alpha and beta along the path from v that alternates them; it cannot reach u
+      # (bipartite), and afterwards alpha is free at both ends.
+      path, vertex, want = [], v, alpha
+      while want in at.get(vertex, {}):
+        j = at[vertex][want]
+        path.append(j)
+        ea, et = edges[j]
+        vertex = ("src", ea) if vertex[0] == "dst" else ("dst", et)
+        want = beta if want == alpha else alpha
+      for j in path:
+        for end in (("src", edges[j][0]), ("dst", edges[j][1])):
+          del at[end][colour[j]]
+      for j in path:
+        colour[j] = beta if colour[j] == alpha else alpha
+        for end in (("src", edges[j][0]), ("dst", edges[j][1])):
+          at[end][colour[j]] = j
+    colour[i] = alpha
+    at[u][alpha] = i
+    at[v][alpha] = i
+  return colour
 
 
 def _split_micro(a: jax.Array, m: int) -> jax.Array:

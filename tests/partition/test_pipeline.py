@@ -328,3 +328,50 @@ def test_error_leaves_disagree_and_bad_remat_policy():
   with pytest.raises(PipelineError, match="remat_policy='everything' is not in "
                      "jax.checkpoint_policies"):
     call(remat_policy="everything")
+
+
+@pytest.mark.parametrize("stages,repeats,microbatches", [(4, 1, 8), (4, 2, 4), (2, 3, 5)])
+def test_schedule_visits_every_chunk_once_in_order(stages, repeats, microbatches):
+  plan = partition.PipelinePlan("stage", stages, repeats, microbatches, stages * repeats)
+  grid = plan.schedule()
+  assert len(grid) == plan.iterations
+  # micro-batch i on its trip k reaches stage s exactly once, one iteration after stage s-1
+  # (and stage 0 after stage p-1 of the previous trip): the stack's chunks in order.
+  for i in range(microbatches):
+    times = [t for trip in range(repeats) for s in range(stages)
+             for t, step in enumerate(grid) if step[s] == (i, trip)]
+    assert len(times) == repeats * stages
+    first = times[0]
+    # consecutive chunks run in consecutive iterations, except waiting at stage 0 for a
+    # later trip (m >= p: the micro-batch is back after p iterations, used after m)
+    for trip in range(repeats):
+      chunk_times = times[trip * stages:(trip + 1) * stages]
+      assert chunk_times == list(range(chunk_times[0], chunk_times[0] + stages))
+      assert chunk_times[0] == first + trip * microbatches
+  idle = sum(cell is None for step in grid for cell in step)
+  assert idle / (len(grid) * stages) == pytest.approx(plan.bubble)
+
+
+def test_docs_diagrams_are_the_plans():
+  import pathlib
+  text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+  assert partition.PipelinePlan("stage", 4, 1, 8, 8).diagram() in text
+  assert partition.PipelinePlan("stage", 4, 2, 4, 8).diagram() in text
+
+
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("repeats", [2, 3, 4])
+def test_circular_relayout_rounds_are_partial_permutations_of_minimal_count(stages, repeats):
+  from partition._pipeline import _relayout_rounds
+  rounds = _relayout_rounds(stages, repeats)
+  # every chunk c = a r + b goes from its contiguous home a to stage c mod p, slot c // p
+  want = sorted((a, (a * repeats + b) % stages, b, (a * repeats + b) // stages)
+                for a in range(stages) for b in range(repeats))
+  assert sorted(mv for rnd in rounds for mv in rnd) == want
+  for rnd in rounds:  # one ppermute: no stage sends or receives twice
+    assert len({mv[0] for mv in rnd}) == len({mv[1] for mv in rnd}) == len(rnd)
+  transfers = [rnd for rnd in rounds if any(a != t for a, t, _, _ in rnd)]
+  assert all(a != t for rnd in transfers for a, t, _, _ in rnd)
+  busiest = max(max(sum(a != t for a, t, _, _ in want if a == s) for s in range(stages)),
+                max(sum(a != t for a, t, _, _ in want if t == s) for s in range(stages)))
+  assert len(transfers) == busiest
