@@ -375,3 +375,20 @@ def test_circular_relayout_rounds_are_partial_permutations_of_minimal_count(stag
   busiest = max(max(sum(a != t for a, t, _, _ in want if a == s) for s in range(stages)),
                 max(sum(a != t for a, t, _, _ in want if t == s) for s in range(stages)))
   assert len(transfers) == busiest
+
+
+@pytest.mark.parametrize("preset,other", [("pipeline_parallel", "data"), ("fsdp_pp", "fsdp")])
+def test_presets_put_layers_on_stage(preset, other):
+  import pathlib
+  path = (pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
+          / f"{preset}.yaml")
+  rules = partition.AxisRules.from_file(path)
+  mesh = jax.make_mesh((2, 4), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
+  # the stacked kernel of a block: layers on stage, the rest by the data/FSDP rules
+  spec = rules.spec(("layers", "embed", "mlp"), (8, 16, 32), mesh=mesh)
+  assert spec == (P("stage", "fsdp", None) if other == "fsdp" else P("stage", None, None))
+  assert rules.spec(("batch", "length", "embed"), (16, 4, 16), mesh=mesh)[0] == other
+  params, x = stack(8), batch()
+  with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
+    got = partition.pipeline(layer, params, x, microbatches=4)
+  np.testing.assert_allclose(got, sequential(params, x), rtol=RTOL, atol=ATOL)
