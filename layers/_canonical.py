@@ -4,25 +4,38 @@ Canonical names drop the framework's wrapping (linen's ``params/``, Haiku's modu
 NNX's attribute paths) and always *stack* the blocks: a block parameter is one array with a
 leading ``layers`` dim under ``blocks/...``, whether the model is scanned or not:
 
-=======================================  ===========================================
-``embed/embedding``                      ``(vocab, embed)``
-``blocks/attn_norm/scale``               ``(layers, embed)``
-``blocks/attn/query/kernel``             ``(layers, embed, heads, head_dim)``
-``blocks/attn/key/kernel``, ``value``    ``(layers, embed, kv_heads, head_dim)``
-``blocks/attn/out/kernel``               ``(layers, heads, head_dim, embed)``
-``blocks/mlp_norm/scale``                ``(layers, embed)``
-``blocks/mlp/wi_gate/kernel``, ``wi_up`` ``(layers, embed, mlp)``
-``blocks/mlp/wo/kernel``                 ``(layers, mlp, embed)``
-``blocks/moe/router``                    ``(layers, embed, expert)``
-``blocks/moe/wi_gate``, ``wi_up``        ``(layers, expert, embed, mlp)``
-``blocks/moe/wo``                        ``(layers, expert, mlp, embed)``
-``final_norm/scale``                     ``(embed,)``
-=======================================  ===========================================
+=========================================  ===========================================
+``embed/embedding``                        ``(vocab, embed)``
+``blocks/attn_norm/scale``                 ``(layers, embed)``
+``blocks/attn/query/kernel``               ``(layers, embed, heads, head_dim)``
+``blocks/attn/key/kernel``, ``value``      ``(layers, embed, kv_heads, head_dim)``
+``blocks/attn/query/bias`` (``qkv_bias``)  ``(layers, heads, head_dim)``
+``blocks/attn/key/bias``, ``value/bias``   ``(layers, kv_heads, head_dim)``
+``blocks/attn/out/kernel``                 ``(layers, heads, head_dim, embed)``
+``blocks/mlp_norm/scale``                  ``(layers, embed)``
+``blocks/mlp/wi_gate/kernel``, ``wi_up``   ``(layers, embed, mlp)``
+``blocks/mlp/wo/kernel``                   ``(layers, mlp, embed)``
+``blocks/moe/router``                      ``(layers, embed, expert)``
+``blocks/moe/wi_gate``, ``wi_up``          ``(layers, expert, embed, mlp)``
+``blocks/moe/wo``                          ``(layers, expert, mlp, embed)``
+``final_norm/scale``                       ``(embed,)``
+``lm_head/kernel`` (untied only)           ``(embed, vocab)``
+=========================================  ===========================================
+
+**Canonical weights are unfused; framework params are fused.** The frameworks hold the
+query, key and value projections as one kernel ``attn/qkv/kernel (embed, kv_heads,
+q_per_kv + 2, head_dim)`` (per kv head: its ``q_per_kv`` query heads, then its key, then its
+value; bias ``attn/qkv/bias (kv_heads, q_per_kv + 2, head_dim)``), the gate and up
+projections as ``mlp/wi/kernel (embed, 2, mlp)`` and ``moe/wi (expert, embed, 2, mlp)``
+(index 0 = gate, 1 = up): one input-gradient dot each, so tensor parallelism reduces one
+operand per projection. :func:`to_canonical` splits them (query head ``h`` belongs to kv
+head ``h // q_per_kv``, as in Hugging Face's GQA) and :func:`from_canonical` fuses them, so
+the canonical dict keeps the table above whatever the framework layout.
 
 Framework paths it understands: linen ``params/blocks_3/...`` (unrolled) and
-``params/blocks/...`` (``nn.scan``); NNX ``blocks/3/...`` (``nnx.List``) and ``blocks/...``
-(``nnx.vmap``); Haiku ``transformer/blocks_3/...`` and ``transformer/blocks/block/...``
-(``hk.layer_stack``).
+``params/blocks/...`` (scanned); NNX ``blocks/3/...`` (``nnx.List``) and ``blocks/...``;
+Haiku ``transformer/blocks_3/...``, ``transformer/blocks/...`` and
+``transformer/blocks/block/...`` (``hk.layer_stack``).
 """
 
 from __future__ import annotations
@@ -114,6 +127,72 @@ def _leaves(tree: Any) -> list[tuple[list[str], Any]]:
   return [([q for k in path for q in _key_parts(k)], leaf) for path, leaf in flat]
 
 
+# -- fused framework layout <-> unfused canonical names --------------------------------------
+
+
+def _split_qkv(fused: Any) -> tuple[Any, Any, Any]:
+  per_kv = fused.shape[-2] - 2
+  q = fused[..., :per_kv, :]
+  return (q.reshape(*q.shape[:-3], q.shape[-3] * per_kv, q.shape[-1]), fused[..., per_kv, :],
+          fused[..., per_kv + 1, :])
+
+
+def _fuse_qkv(q: Any, k: Any, v: Any) -> Any:
+  heads, kv_heads = q.shape[-2], k.shape[-2]
+  if k.shape != v.shape or heads % kv_heads or q.shape[:-2] != k.shape[:-2] or (
+      q.shape[-1] != k.shape[-1]):
+    raise ValueError(f"query {tuple(q.shape)}, key {tuple(k.shape)} and value "
+                     f"{tuple(v.shape)} do not form grouped-query heads")
+  q = jnp.reshape(q, (*q.shape[:-2], kv_heads, heads // kv_heads, q.shape[-1]))
+  return jnp.concatenate([q, jnp.asarray(k)[..., None, :], jnp.asarray(v)[..., None, :]],
+                         axis=-2)
+
+
+def _split_pair(fused: Any) -> tuple[Any, Any]:
+  return fused[..., 0, :], fused[..., 1, :]
+
+
+def _fuse_pair(gate: Any, up: Any) -> Any:
+  if gate.shape != up.shape:
+    raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+  return jnp.stack([jnp.asarray(gate), jnp.asarray(up)], axis=-2)
+
+
+# framework name -> (canonical names, split, fuse)
+FUSED: dict[str, tuple[tuple[str, ...], Any, Any]] = {
+    "blocks/attn/qkv/kernel": (("blocks/attn/query/kernel", "blocks/attn/key/kernel",
+                                "blocks/attn/value/kernel"), _split_qkv, _fuse_qkv),
+    "blocks/attn/qkv/bias": (("blocks/attn/query/bias", "blocks/attn/key/bias",
+                              "blocks/attn/value/bias"), _split_qkv, _fuse_qkv),
+    "blocks/mlp/wi/kernel": (("blocks/mlp/wi_gate/kernel", "blocks/mlp/wi_up/kernel"),
+                             _split_pair, _fuse_pair),
+    "blocks/moe/wi": (("blocks/moe/wi_gate", "blocks/moe/wi_up"), _split_pair, _fuse_pair),
+}
+
+
+def _unfuse(flat: dict[str, Any]) -> dict[str, Any]:
+  out = {}
+  for name, value in flat.items():
+    if name in FUSED:
+      names, split, _ = FUSED[name]
+      out.update(zip(names, split(value)))
+    else:
+      out[name] = value
+  return out
+
+
+def _fused(weights: dict[str, Any], problems: list[str]) -> dict[str, Any]:
+  """``weights`` plus the fused entry of every complete group of canonical parts."""
+  out = dict(weights)
+  for name, (names, _, fuse) in FUSED.items():
+    if all(n in weights for n in names):
+      try:
+        out[name] = fuse(*(weights[n] for n in names))
+      except ValueError as e:
+        problems.append(f"{', '.join(map(repr, names))}: {e}")
+  return out
+
+
 # -- to / from -------------------------------------------------------------------------------
 
 
@@ -141,7 +220,7 @@ def to_canonical(params: Any) -> dict[str, jax.Array]:
     >>> import jax, jax.numpy as jnp, layers, layers.linen
     >>> cfg = layers.TransformerConfig(num_layers=3)
     >>> v = layers.linen.Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), int))
-    >>> layers.to_canonical(v)['blocks/attn/query/kernel'].shape
+    >>> layers.to_canonical(v)['blocks/attn/query/kernel'].shape   # unfused
     (3, 32, 4, 8)
   """
   _, tree = _nnx_state(params)
@@ -157,7 +236,7 @@ def to_canonical(params: Any) -> dict[str, jax.Array]:
     raise CanonicalError(format_message(
         "to_canonical: the unrolled blocks are not numbered 0..n-1.", bullets=problems,
         fix="Pass the params of a layers.{linen,nnx,haiku}.Transformer."))
-  return {**flat, **stacked}
+  return _unfuse({**flat, **stacked})
 
 
 def _target(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
@@ -169,7 +248,9 @@ def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list
           where: str) -> Any:
   shape, dtype, sharding = _target(leaf)
   if name not in weights:
-    problems.append(f"{where}: no weight {name!r} in the canonical dict")
+    missing = [n for n in FUSED[name][0] if n not in weights] if name in FUSED else [name]
+    problems.append(f"{where}: no weight {', '.join(map(repr, missing))} in the canonical "
+                    "dict")
     return _value(leaf)
   if index is not None and index >= np.shape(weights[name])[0]:
     problems.append(f"{where}: layer index {index} is out of range for "
@@ -202,12 +283,14 @@ def from_canonical(weights: dict[str, Any], like: Any) -> Any:
   """
   graph, tree = _nnx_state(like)
   problems, used = [], set()
+  framework_weights = _fused(weights, problems)
 
   def one(path, leaf):
     parts = [q for k in path for q in _key_parts(k)]
     name, index = canonical_name(parts)
-    used.add(name)
-    return _rebox(leaf, _pick(weights, name, index, leaf, problems, "/".join(parts)))
+    used.update(FUSED[name][0] if name in FUSED else (name,))
+    return _rebox(leaf, _pick(framework_weights, name, index, leaf, problems,
+                              "/".join(parts)))
 
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
   problems += [f"{name!r} ({np.shape(weights[name])}) matches no parameter"

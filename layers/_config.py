@@ -59,6 +59,16 @@ def _relations(cfg: TransformerConfig) -> list[str]:
                     f"num_experts={cfg.num_experts}")
   if isinstance(cfg.head_dim, int) and cfg.head_dim % 2:
     problems.append(f"head_dim={cfg.head_dim} must be even (rotary embeddings rotate pairs)")
+  for name in ("tie_embeddings", "qkv_bias", "scan_layers"):
+    if not isinstance(getattr(cfg, name), bool):
+      problems.append(f"{name}={getattr(cfg, name)!r} must be True or False")
+  if isinstance(cfg.rope_theta, bool) or not (isinstance(cfg.rope_theta, (int, float))
+                                              and cfg.rope_theta > 0):
+    problems.append(f"rope_theta={cfg.rope_theta!r} must be a positive number (the rotary "
+                    "base, e.g. 10000.0 or Llama 3's 500000.0)")
+  if isinstance(cfg.norm_eps, bool) or not (isinstance(cfg.norm_eps, (int, float))
+                                            and cfg.norm_eps >= 0):
+    problems.append(f"norm_eps={cfg.norm_eps!r} must be a number >= 0 (e.g. 1e-6 or 1e-5)")
   if cfg.remat not in REMAT_POLICIES:
     problems.append(f"remat={cfg.remat!r} is not a remat policy; use one of "
                     f"{sorted(REMAT_POLICIES)}")
@@ -82,7 +92,8 @@ class TransformerConfig:
 
   Blocks are pre-norm (RMSNorm) with grouped-query attention using rotary position
   embeddings, and a SwiGLU MLP (or, with ``num_experts > 0``, a top-k mixture of
-  SwiGLU experts). The output projection is tied to the embedding table.
+  SwiGLU experts). The output projection is tied to the embedding table unless
+  ``tie_embeddings=False``.
 
   Attributes:
     vocab_size: number of token ids (logical axis ``vocab``).
@@ -98,6 +109,11 @@ class TransformerConfig:
     dtype: computation dtype; param_dtype: parameter dtype (names or numpy dtypes).
     scan_layers: stack the blocks' params with a leading ``layers`` axis and scan.
     remat: rematerialisation policy of each block, one of ``REMAT_POLICIES``.
+    tie_embeddings: logits are ``x @ embed/embedding.T``; ``False`` adds an output
+      projection ``lm_head/kernel (embed, vocab)`` (Llama 2+, Mistral, Qwen2 >= 7B).
+    rope_theta: the rotary base (period ``2 pi theta`` for the slowest pair of dims).
+    norm_eps: epsilon of every RMSNorm (HF ``rms_norm_eps``).
+    qkv_bias: add biases to the query, key and value projections (Qwen2).
 
   Raises:
     ConfigError: listing every invalid field and how to fix it.
@@ -117,6 +133,10 @@ class TransformerConfig:
   param_dtype: Any = "float32"
   scan_layers: bool = False
   remat: str = "none"
+  tie_embeddings: bool = True
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  qkv_bias: bool = False
 
   def __post_init__(self):
     problems = _positive(self) + _relations(self)

@@ -127,25 +127,34 @@ def glu(gate: Array, up: Array, *, activation: str = "silu") -> Array:
   return partition.constrain(ACTIVATIONS[activation](gate) * up, MLP_HIDDEN)
 
 
-def gated_mlp(x: Array, wi_gate: Array, wi_up: Array, wo: Array, *,
-              activation: str = "silu", dtype: Any = None) -> Array:
-  """Gated MLP: ``(act(x @ wi_gate) * (x @ wi_up)) @ wo`` (SwiGLU for silu, GeGLU for gelu).
+def gated_mlp(x: Array, wi: Array, wo: Array, *, activation: str = "silu",
+              dtype: Any = None) -> Array:
+  """Gated MLP ``(act(x @ wi[:, 0]) * (x @ wi[:, 1])) @ wo`` (SwiGLU for silu).
+
+  The gate and up projections are one fused kernel, so the backward pass returns the input
+  gradient of both as one dot (one all-reduce under tensor parallelism, not two).
 
   Args:
     x: ``(batch, length, embed)``.
-    wi_gate, wi_up: ``(embed, mlp)``.
+    wi: ``(embed, 2, mlp)``: ``wi[:, 0]`` the gate, ``wi[:, 1]`` the up projection.
     wo: ``(mlp, embed)``.
     activation: a key of ``ACTIVATIONS``.
 
   Returns:
     ``(batch, length, embed)``; the hidden ``(batch, length, mlp)`` is constrained.
 
-  >>> gated_mlp(jnp.ones((1, 2, 4)), jnp.ones((4, 8)), jnp.ones((4, 8)),
-  ...           jnp.ones((8, 4))).shape
+  >>> gated_mlp(jnp.ones((1, 2, 4)), jnp.ones((4, 2, 8)), jnp.ones((8, 4))).shape
   (1, 2, 4)
   """
-  h = glu(dense(x, wi_gate, dtype=dtype), dense(x, wi_up, dtype=dtype), activation=activation)
+  gate_up = dense(x, wi, dtype=dtype)                                   # (b, l, 2, mlp)
+  h = glu(gate_up[..., 0, :], gate_up[..., 1, :], activation=activation)
   return partition.constrain(dense(h, wo, dtype=dtype), EMBED)
+
+
+def mlp(p: dict, x: Array, *, activation: str = "silu", dtype: Any = None) -> Array:
+  """:func:`gated_mlp` on a parameter tree ``{'wi': {'kernel'}, 'wo': {'kernel'}}``."""
+  return gated_mlp(x, p["wi"]["kernel"], p["wo"]["kernel"], activation=activation,
+                   dtype=dtype)
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -210,14 +219,15 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None = Non
 
 
 def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
-                   positions: Array | None = None, use_rope: bool = True) -> Array:
+                   positions: Array | None = None, use_rope: bool = True,
+                   rope_theta: float = 10_000.0) -> Array:
   """Attention on projected heads: constrain, optional RoPE, softmax attention.
 
   Args:
     q: ``(batch, length, heads, head_dim)``; k, v: ``(batch, length, kv_heads, head_dim)``.
     mask: bool, broadcastable to ``(batch, heads, length, length)``.
     positions: ``(batch, length)`` ints for RoPE (default ``0..length-1``).
-    use_rope: rotate queries and keys.
+    use_rope: rotate queries and keys; rope_theta: the rotary base.
 
   Returns:
     ``(batch, length, heads, head_dim)``.
@@ -227,33 +237,50 @@ def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
   if use_rope:
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    q, k = rope(q, positions), rope(k, positions)
+    q, k = rope(q, positions, theta=rope_theta), rope(k, positions, theta=rope_theta)
   return dot_product_attention(q, k, v, mask)
 
 
-def attention(x: Array, wq: Array, wk: Array, wv: Array, wo: Array, *,
-              mask: Array | None = None, positions: Array | None = None,
-              use_rope: bool = True, dtype: Any = None) -> Array:
-  """Self-attention: projections, :func:`attention_core`, output projection.
+def split_qkv(fused: Array) -> tuple[Array, Array, Array]:
+  """``(..., kv_heads, q_per_kv + 2, head_dim)`` -> queries ``(..., heads, head_dim)``, keys
+  and values ``(..., kv_heads, head_dim)``; query head ``h`` is in kv group ``h // q_per_kv``.
+
+  >>> q, k, v = split_qkv(jnp.zeros((5, 2, 3 + 2, 4)))
+  >>> q.shape, k.shape, v.shape
+  ((5, 6, 4), (5, 2, 4), (5, 2, 4))
+  """
+  per_kv = fused.shape[-2] - 2
+  q = fused[..., :per_kv, :]
+  q = q.reshape(*q.shape[:-3], q.shape[-3] * per_kv, q.shape[-1])
+  return q, fused[..., per_kv, :], fused[..., per_kv + 1, :]
+
+
+def attention(p: dict, x: Array, *, mask: Array | None = None,
+              positions: Array | None = None, use_rope: bool = True,
+              rope_theta: float = 10_000.0, dtype: Any = None) -> Array:
+  """Self-attention on a parameter tree: one fused QKV projection, attention, output.
 
   Args:
+    p: ``{'qkv': {'kernel': (embed, kv_heads, q_per_kv + 2, head_dim)[, 'bias': (kv_heads,
+      q_per_kv + 2, head_dim)]}, 'out': {'kernel': (heads, head_dim, embed)}}``. The QKV
+      kernel is grouped by kv head (each group: its ``q_per_kv`` query heads, its key, its
+      value), so sharding ``kv_heads`` splits queries, keys and values alike and the input
+      gradient of all three is one dot (one all-reduce under tensor parallelism).
     x: ``(batch, length, embed)``.
-    wq: ``(embed, heads, head_dim)``; wk, wv: ``(embed, kv_heads, head_dim)``.
-    wo: ``(heads, head_dim, embed)``.
-    mask, positions, use_rope: as for :func:`attention_core`.
+    mask, positions, use_rope, rope_theta: as for :func:`attention_core`.
 
   Returns:
     ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``.
 
-  >>> x = jnp.ones((1, 3, 4))
-  >>> attention(x, jnp.ones((4, 2, 2)), jnp.ones((4, 1, 2)), jnp.ones((4, 1, 2)),
-  ...           jnp.ones((2, 2, 4)), mask=causal_mask(3)).shape
+  >>> p = {'qkv': {'kernel': jnp.ones((4, 1, 2 + 2, 2))}, 'out': {'kernel': jnp.ones((2, 2, 4))}}
+  >>> attention(p, jnp.ones((1, 3, 4)), mask=causal_mask(3)).shape
   (1, 3, 4)
   """
-  out = attention_core(dense(x, wq, dtype=dtype), dense(x, wk, dtype=dtype),
-                       dense(x, wv, dtype=dtype), mask=mask, positions=positions,
-                       use_rope=use_rope)
-  return partition.constrain(dense(out, wo, contract=2, dtype=dtype), EMBED)
+  qkv = dense(x, p["qkv"]["kernel"], p["qkv"].get("bias"), dtype=dtype)
+  q, k, v = split_qkv(qkv)
+  out = attention_core(q, k, v, mask=mask, positions=positions, use_rope=use_rope,
+                       rope_theta=rope_theta)
+  return partition.constrain(dense(out, p["out"]["kernel"], contract=2, dtype=dtype), EMBED)
 
 
 # -- model-level helpers ---------------------------------------------------------------------

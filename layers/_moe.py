@@ -13,8 +13,7 @@ dropped and counted. The load-balancing loss is Switch Transformer's, generalise
 >>> import jax, jax.numpy as jnp
 >>> x = jnp.ones((1, 4, 8))
 >>> w = lambda *s: jnp.full(s, 0.1)
->>> y, aux = moe(x, w(8, 4), w(4, 8, 16), w(4, 8, 16), w(4, 16, 8), k=2,
-...              capacity_factor=2.0)
+>>> y, aux = moe(x, w(8, 4), w(4, 8, 2, 16), w(4, 16, 8), k=2, capacity_factor=2.0)
 >>> y.shape, int(aux['dropped_tokens'])
 ((1, 4, 8), 0)
 """
@@ -86,20 +85,21 @@ def route(logits: Array, *, k: int, capacity_factor: float) -> Routing:
   return Routing(dispatch, combine, balance, dropped.astype(jnp.int32))
 
 
-def experts(xe: Array, wi_gate: Array, wi_up: Array, wo: Array, *,
-            activation: str = "silu", dtype: Any = None) -> Array:
+def experts(xe: Array, wi: Array, wo: Array, *, activation: str = "silu",
+            dtype: Any = None) -> Array:
   """Each expert's gated MLP on its slots: ``xe (batch, expert, capacity, embed)``.
 
-  ``wi_gate``, ``wi_up``: ``(expert, embed, mlp)``; ``wo``: ``(expert, mlp, embed)``.
+  ``wi``: ``(expert, embed, 2, mlp)``, gate (``[:, :, 0]``) and up (``[:, :, 1]``) fused into
+  one kernel (one input-gradient dot); ``wo``: ``(expert, mlp, embed)``.
   """
   dtype = xe.dtype if dtype is None else dtype
   act = ACTIVATIONS[activation]
-  up = lambda w: jnp.einsum("becd,edm->becm", xe.astype(dtype), w.astype(dtype))
-  h = partition.constrain(act(up(wi_gate)) * up(wi_up), EXPERT_HIDDEN)
+  gate_up = jnp.einsum("becd,edgm->becgm", xe.astype(dtype), wi.astype(dtype))
+  h = partition.constrain(act(gate_up[..., 0, :]) * gate_up[..., 1, :], EXPERT_HIDDEN)
   return jnp.einsum("becm,emd->becd", h, wo.astype(dtype))
 
 
-def moe(x: Array, router: Array, wi_gate: Array, wi_up: Array, wo: Array, *, k: int,
+def moe(x: Array, router: Array, wi: Array, wo: Array, *, k: int,
         capacity_factor: float = 1.25, activation: str = "silu",
         dtype: Any = None) -> tuple[Array, dict[str, Array]]:
   """Mixture-of-experts MLP.
@@ -107,7 +107,7 @@ def moe(x: Array, router: Array, wi_gate: Array, wi_up: Array, wo: Array, *, k: 
   Args:
     x: ``(batch, length, embed)``.
     router: ``(embed, expert)`` router kernel.
-    wi_gate, wi_up: ``(expert, embed, mlp)``; wo: ``(expert, mlp, embed)``.
+    wi: ``(expert, embed, 2, mlp)`` (gate and up); wo: ``(expert, mlp, embed)``.
     k: experts per token.
     capacity_factor: slots per expert relative to a perfectly balanced load.
     activation: gate activation (``'silu'`` = SwiGLU experts).
@@ -121,7 +121,7 @@ def moe(x: Array, router: Array, wi_gate: Array, wi_up: Array, wo: Array, *, k: 
                   capacity_factor=capacity_factor)
   xe = jnp.einsum("blec,bld->becd", routing.dispatch.astype(dtype), x.astype(dtype))
   xe = partition.constrain(xe, EXPERT_IN)
-  ye = experts(xe, wi_gate, wi_up, wo, activation=activation, dtype=dtype)
+  ye = experts(xe, wi, wo, activation=activation, dtype=dtype)
   y = jnp.einsum("blec,becd->bld", routing.combine.astype(dtype), ye)
   aux = {"load_balance_loss": routing.load_balance_loss,
          "dropped_tokens": routing.dropped_tokens}

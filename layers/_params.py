@@ -13,7 +13,7 @@ them: linen ``nn.with_logical_partitioning``, NNX ``out_sharding`` metadata, Hai
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 
@@ -84,16 +84,100 @@ def norm_params(dim: int, use_bias: bool = False) -> dict[str, ParamSpec]:
   return out
 
 
+def attention_params(embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                     use_bias: bool = False) -> dict[str, dict[str, ParamSpec]]:
+  """``qkv``: one fused kernel ``(embed, kv_heads, q_per_kv + 2, head_dim)`` (axes
+  ``('embed', 'kv_heads', None, 'head_dim')``; see ``_core.attention``) and, with
+  ``use_bias``, ``bias (kv_heads, q_per_kv + 2, head_dim)``; ``out (heads, head_dim, embed)``.
+
+  >>> attention_params(16, 4, 2, 8)['qkv']['kernel'].shape
+  (16, 2, 4, 8)
+  """
+  per_kv = num_heads // num_kv_heads
+  return {"qkv": dense_params((embed_dim,), (num_kv_heads, per_kv + 2, head_dim), ("embed",),
+                              ("kv_heads", None, "head_dim"), use_bias, where="Attention"),
+          "out": dense_params((num_heads, head_dim), embed_dim, ("heads", "head_dim"),
+                              ("embed",), where="Attention")}
+
+
+def mlp_params(embed_dim: int, mlp_dim: int) -> dict[str, dict[str, ParamSpec]]:
+  """``wi``: the fused gate and up kernels ``(embed, 2, mlp)``; ``wo (mlp, embed)``."""
+  return {"wi": dense_params((embed_dim,), (2, mlp_dim), ("embed",), (None, "mlp")),
+          "wo": dense_params((mlp_dim,), embed_dim, ("mlp",), ("embed",))}
+
+
 def moe_params(embed_dim: int, mlp_dim: int, num_experts: int) -> dict[str, ParamSpec]:
-  """``router (embed, expert)``; experts ``wi_gate``/``wi_up (expert, embed, mlp)``,
+  """``router (embed, expert)``; experts ``wi (expert, embed, 2, mlp)`` (gate and up fused),
   ``wo (expert, mlp, embed)``."""
   e, m, n = embed_dim, mlp_dim, num_experts
   return {
       "router": ParamSpec((e, n), ("embed", "expert"), _fan_in(1, 2)),
-      "wi_gate": ParamSpec((n, e, m), ("expert", "embed", "mlp"), _fan_in(1, 3, (0,))),
-      "wi_up": ParamSpec((n, e, m), ("expert", "embed", "mlp"), _fan_in(1, 3, (0,))),
+      "wi": ParamSpec((n, e, 2, m), ("expert", "embed", None, "mlp"), _fan_in(1, 4, (0,))),
       "wo": ParamSpec((n, m, e), ("expert", "mlp", "embed"), _fan_in(1, 3, (0,))),
   }
+
+
+def block_params(cfg: Any) -> dict[str, Any]:
+  """One pre-norm block of a ``TransformerConfig``: ``attn_norm``, ``attn``, ``mlp_norm``
+  and ``mlp`` (or ``moe``)."""
+  out = {"attn_norm": norm_params(cfg.embed_dim),
+         "attn": attention_params(cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                  cfg.qkv_bias),
+         "mlp_norm": norm_params(cfg.embed_dim)}
+  if cfg.num_experts:
+    out["moe"] = moe_params(cfg.embed_dim, cfg.mlp_dim, cfg.num_experts)
+  else:
+    out["mlp"] = mlp_params(cfg.embed_dim, cfg.mlp_dim)
+  return out
+
+
+def _stacked(spec: ParamSpec, layers: int) -> ParamSpec:
+  """``spec`` with a leading ``layers`` dim, each layer initialised as ``spec`` would be."""
+  def init_stack(key, shape, dtype):
+    return jax.vmap(lambda k: spec.init(k, shape[1:], dtype))(jax.random.split(key, shape[0]))
+  return ParamSpec((layers, *spec.shape), ("layers", *spec.axes), init_stack)
+
+
+def transformer_params(cfg: Any) -> dict[str, Any]:
+  """The whole model: ``embed``, ``blocks``, ``final_norm`` and, untied, ``lm_head``.
+
+  ``blocks`` is one tree of stacked params (leading ``layers`` dim) when ``cfg.scan_layers``,
+  else a list of ``num_layers`` per-layer trees (the wrappers name them ``blocks_0``, ... or,
+  in NNX, ``blocks/0``, ...).
+
+  >>> import layers
+  >>> specs = transformer_params(layers.TransformerConfig(scan_layers=True, num_layers=3))
+  >>> specs['blocks']['attn']['qkv']['kernel'].axes
+  ('layers', 'embed', 'kv_heads', None, 'head_dim')
+  """
+  block = block_params(cfg)
+  if cfg.scan_layers:
+    blocks = jax.tree.map(lambda s: _stacked(s, cfg.num_layers), block,
+                          is_leaf=lambda s: isinstance(s, ParamSpec))
+  else:
+    blocks = [block] * cfg.num_layers
+  out = {"embed": embed_params(cfg.vocab_size, cfg.embed_dim), "blocks": blocks,
+         "final_norm": norm_params(cfg.embed_dim)}
+  if not cfg.tie_embeddings:
+    out["lm_head"] = dense_params((cfg.embed_dim,), cfg.vocab_size, ("embed",), ("vocab",))
+  return out
+
+
+def named_blocks(specs: dict[str, Any]) -> dict[str, Any]:
+  """Unrolled ``blocks`` list -> ``blocks_0``, ``blocks_1``, ... entries (linen, Haiku)."""
+  if not isinstance(specs.get("blocks"), list):
+    return specs
+  rest = {k: v for k, v in specs.items() if k != "blocks"}
+  return {**rest, **{f"blocks_{i}": b for i, b in enumerate(specs["blocks"])}}
+
+
+def listed_blocks(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
+  """Inverse of :func:`named_blocks` on the created arrays."""
+  if "blocks" in params:
+    return params
+  names = [f"blocks_{i}" for i in range(num_layers)]
+  rest = {k: v for k, v in params.items() if k not in names}
+  return {**rest, "blocks": [params[n] for n in names]}
 
 
 def check_tokens(tokens: jax.Array, max_len: int, where: str) -> None:

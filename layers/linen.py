@@ -1,8 +1,10 @@
 """Flax linen layers with logical axes (``nn.with_logical_partitioning``) over ``layers._core``.
 
-Every parameter is declared with its logical axes (see ``layers/_params.py`` and
-docs/layers.md), so ``partition.flax.init_sharded`` places it from a rules table; activations
-are constrained with ``partition.constrain`` inside the core at block boundaries.
+Each module only declares its parameters (the tables of ``layers/_params.py``, with their
+logical axes; see docs/layers.md), so ``partition.flax.init_sharded`` places them from a rules
+table, and calls the framework-free math (``layers._core``; the Transformer:
+``layers._model``). A scanned model declares every block parameter once with a leading
+``layers`` dim; ``layers._model.apply_blocks`` scans over it.
 
 >>> import jax, jax.numpy as jnp, partition
 >>> import layers, layers.linen
@@ -11,8 +13,8 @@ are constrained with ``partition.constrain`` inside the core at block boundaries
 >>> model = layers.linen.Transformer(cfg)
 >>> tokens = jnp.zeros((2, 8), jnp.int32)
 >>> variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
->>> partition.logical_axes(variables)['params']['blocks']['attn']['query']['kernel']
-('layers', 'embed', 'heads', 'head_dim')
+>>> partition.logical_axes(variables)['params']['blocks']['attn']['qkv']['kernel']
+('layers', 'embed', 'kv_heads', None, 'head_dim')
 >>> model.apply(model.init(jax.random.key(0), tokens), tokens).shape
 (2, 8, 64)
 """
@@ -26,23 +28,42 @@ import jax
 import jax.numpy as jnp
 
 import partition
-from layers import _core, _moe
+from layers import _core, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
     ParamSpec,
-    check_tokens,
+    attention_params,
+    block_params,
     dense_params,
     embed_params,
+    listed_blocks,
+    mlp_params,
     moe_params,
+    named_blocks,
     norm_params,
+    transformer_params,
 )
 
 Array = jax.Array
 
 
-def _params(module: nn.Module, specs: dict[str, ParamSpec], dtype: Any) -> dict[str, Array]:
-  return {name: module.param(name, nn.with_logical_partitioning(s.init, s.axes), s.shape,
-                             dtype) for name, s in specs.items()}
+def _declare(module: nn.Module, specs: dict[str, Any], dtype: Any) -> dict[str, Any]:
+  """Creates ``specs`` (a nested dict of ``ParamSpec``) in ``module``'s scope, sub-dicts as
+  child scopes; returns the same nesting of arrays."""
+  return {name: module.param(name, nn.with_logical_partitioning(s.init, s.axes), s.shape, dtype)
+          if isinstance(s, ParamSpec) else _Scope(s, dtype, name=name)()
+          for name, s in specs.items()}
+
+
+class _Scope(nn.Module):
+  """A named level of a parameter tree (``attn``, ``qkv``, ``blocks_0``, ...)."""
+
+  specs: dict[str, Any]
+  param_dtype: Any
+
+  @nn.compact
+  def __call__(self) -> dict[str, Any]:
+    return _declare(self, self.specs, self.param_dtype)
 
 
 class Dense(nn.Module):
@@ -64,7 +85,7 @@ class Dense(nn.Module):
     n = len(self.in_axes)
     specs = dense_params(x.shape[x.ndim - n:], self.features, self.in_axes, self.out_axes,
                          self.use_bias, where=f"layers.linen.Dense({self.name})")
-    p = _params(self, specs, self.param_dtype)
+    p = _declare(self, specs, self.param_dtype)
     return _core.dense(x, p["kernel"], p.get("bias"), contract=n, dtype=self.dtype)
 
 
@@ -102,7 +123,7 @@ class RMSNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    p = _params(self, norm_params(x.shape[-1]), self.param_dtype)
+    p = _declare(self, norm_params(x.shape[-1]), self.param_dtype)
     return _core.rms_norm(x, p["scale"], eps=self.epsilon)
 
 
@@ -114,42 +135,39 @@ class LayerNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    p = _params(self, norm_params(x.shape[-1], use_bias=True), self.param_dtype)
+    p = _declare(self, norm_params(x.shape[-1], use_bias=True), self.param_dtype)
     return _core.layer_norm(x, p["scale"], p["bias"], eps=self.epsilon)
 
 
 class Attention(nn.Module):
-  """Grouped-query self-attention with rotary embeddings.
+  """Grouped-query self-attention with rotary embeddings (``_core.attention``).
 
-  Params: ``query/kernel (embed, heads, head_dim)``, ``key/kernel`` and ``value/kernel
-  (embed, kv_heads, head_dim)``, ``out/kernel (heads, head_dim, embed)``.
-  ``x (batch, length, embed) -> (batch, length, embed)``.
+  Params: ``qkv/kernel (embed, kv_heads, heads // kv_heads + 2, head_dim)`` (queries, key
+  and value of each kv group fused), with ``use_bias`` also ``qkv/bias``; ``out/kernel
+  (heads, head_dim, embed)``. ``x (batch, length, embed) -> (batch, length, embed)``.
   """
 
   num_heads: int
   num_kv_heads: int
   head_dim: int
   use_rope: bool = True
+  use_bias: bool = False
+  rope_theta: float = 10_000.0
   dtype: Any = None
   param_dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None = None,
                positions: Array | None = None) -> Array:
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    heads = lambda n, axis, name: Dense((n, self.head_dim), ("embed",), (axis, "head_dim"),
-                                        name=name, **kw)(x)
-    q = heads(self.num_heads, "heads", "query")
-    k = heads(self.num_kv_heads, "kv_heads", "key")
-    v = heads(self.num_kv_heads, "kv_heads", "value")
-    out = _core.attention_core(q, k, v, mask=mask, positions=positions,
-                               use_rope=self.use_rope)
-    out = Dense(x.shape[-1], ("heads", "head_dim"), ("embed",), name="out", **kw)(out)
-    return partition.constrain(out, _core.EMBED)
+    specs = attention_params(x.shape[-1], self.num_heads, self.num_kv_heads, self.head_dim,
+                             self.use_bias)
+    return _core.attention(_declare(self, specs, self.param_dtype), x, mask=mask,
+                           positions=positions, use_rope=self.use_rope,
+                           rope_theta=self.rope_theta, dtype=self.dtype)
 
 
 class MLP(nn.Module):
-  """Gated MLP: ``wi_gate/kernel``, ``wi_up/kernel (embed, mlp)``, ``wo/kernel (mlp, embed)``."""
+  """Gated MLP: ``wi/kernel (embed, 2, mlp)`` (gate, up), ``wo/kernel (mlp, embed)``."""
 
   mlp_dim: int
   activation: str = "silu"
@@ -158,18 +176,14 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    gate = Dense(self.mlp_dim, ("embed",), ("mlp",), name="wi_gate", **kw)(x)
-    up = Dense(self.mlp_dim, ("embed",), ("mlp",), name="wi_up", **kw)(x)
-    h = _core.glu(gate, up, activation=self.activation)
-    out = Dense(x.shape[-1], ("mlp",), ("embed",), name="wo", **kw)(h)
-    return partition.constrain(out, _core.EMBED)
+    p = _declare(self, mlp_params(x.shape[-1], self.mlp_dim), self.param_dtype)
+    return _core.mlp(p, x, activation=self.activation, dtype=self.dtype)
 
 
 class MoE(nn.Module):
   """Top-k mixture of gated-MLP experts; returns ``(y, aux)`` (see ``layers._moe.moe``).
 
-  Params: ``router (embed, expert)``, ``wi_gate``/``wi_up (expert, embed, mlp)``,
+  Params: ``router (embed, expert)``, ``wi (expert, embed, 2, mlp)``,
   ``wo (expert, mlp, embed)``.
   """
 
@@ -183,52 +197,32 @@ class MoE(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
-    p = _params(self, moe_params(x.shape[-1], self.mlp_dim, self.num_experts),
-                self.param_dtype)
-    return _moe.moe(x, p["router"], p["wi_gate"], p["wi_up"], p["wo"],
-                    k=self.experts_per_token, capacity_factor=self.capacity_factor,
-                    activation=self.activation, dtype=self.dtype)
+    p = _declare(self, moe_params(x.shape[-1], self.mlp_dim, self.num_experts),
+                 self.param_dtype)
+    return _moe.moe(x, p["router"], p["wi"], p["wo"], k=self.experts_per_token,
+                    capacity_factor=self.capacity_factor, activation=self.activation,
+                    dtype=self.dtype)
 
 
 class Block(nn.Module):
-  """Pre-norm decoder block: ``attn_norm``, ``attn``, ``mlp_norm``, ``mlp`` (or ``moe``).
-
-  ``(x, mask, positions) -> (x, aux)`` with ``x (batch, length, embed)`` — the signature
-  ``nn.scan`` wants (carry, per-layer output).
-  """
+  """Pre-norm decoder block (``layers._model.block``): ``attn_norm``, ``attn``,
+  ``mlp_norm``, ``mlp`` (or ``moe``); ``(x, mask, positions) -> (x, aux)``."""
 
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, x: Array, mask: Array | None, positions: Array | None
                ) -> tuple[Array, dict[str, Array]]:
-    c = self.config
-    kw = dict(dtype=c.dtype, param_dtype=c.param_dtype)
-    h = RMSNorm(param_dtype=c.param_dtype, name="attn_norm")(x)
-    h = Attention(c.num_heads, c.num_kv_heads, c.head_dim, name="attn", **kw)(h, mask,
-                                                                               positions)
-    x = partition.constrain(x + h, _core.EMBED)
-    h = RMSNorm(param_dtype=c.param_dtype, name="mlp_norm")(x)
-    if c.num_experts:
-      h, aux = MoE(c.num_experts, c.experts_per_token, c.mlp_dim, name="moe", **kw)(h)
-    else:
-      h, aux = MLP(c.mlp_dim, name="mlp", **kw)(h), _core.no_aux()
-    return partition.constrain(x + h, _core.EMBED), aux
-
-
-def _block_class(config: TransformerConfig) -> type[nn.Module]:
-  if config.remat == "none":
-    return Block
-  # Under scan, CSE cannot merge the recomputation with the forward pass anyway.
-  return nn.remat(Block, policy=config.policy, prevent_cse=not config.scan_layers)
+    p = _declare(self, block_params(self.config), self.config.param_dtype)
+    return _model.block(p, x, self.config, mask, positions)
 
 
 class Transformer(nn.Module):
   """Decoder-only LM: ``tokens (batch, length)`` ints -> ``logits (batch, length, vocab)``.
 
   Params: ``embed/embedding``, the blocks (``blocks/...`` with a leading ``layers`` axis
-  when ``config.scan_layers``, else ``blocks_0/...``, ``blocks_1/...``) and
-  ``final_norm/scale``. The output layer is tied to the embedding.
+  when ``config.scan_layers``, else ``blocks_0/...``, ``blocks_1/...``),
+  ``final_norm/scale`` and, when ``config.tie_embeddings`` is False, ``lm_head/kernel``.
 
   Call: ``model.apply(variables, tokens, valid=None, return_aux=False)``; ``valid``
   ``(batch, length)`` bool marks real tokens (padding mask); ``return_aux`` also returns
@@ -241,23 +235,7 @@ class Transformer(nn.Module):
   def __call__(self, tokens: Array, valid: Array | None = None, *,
                return_aux: bool = False) -> Any:
     c = self.config
-    check_tokens(tokens, c.max_len, "layers.linen.Transformer")
-    embed = Embed(c.vocab_size, c.embed_dim, dtype=c.dtype, param_dtype=c.param_dtype,
-                  name="embed")
-    x = embed(tokens)
-    mask = _core.decoder_mask(tokens, valid)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    block = _block_class(c)
-    if c.scan_layers:
-      stack = nn.scan(block, variable_axes={"params": 0}, split_rngs={"params": True},
-                      in_axes=(nn.broadcast, nn.broadcast), length=c.num_layers,
-                      metadata_params={nn.PARTITION_NAME: "layers"})
-      x, aux = stack(c, name="blocks")(x, mask, positions)
-    else:
-      auxes = []
-      for i in range(c.num_layers):
-        x, a = block(c, name=f"blocks_{i}")(x, mask, positions)
-        auxes.append(a)
-      aux = jax.tree.map(lambda *a: jnp.stack(a), *auxes)
-    logits = embed.attend(RMSNorm(param_dtype=c.param_dtype, name="final_norm")(x))
-    return (logits, _core.merge_aux(aux)) if return_aux else logits
+    p = _declare(self, named_blocks(transformer_params(c)), c.param_dtype)
+    logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
+                                     where="layers.linen.Transformer")
+    return (logits, aux) if return_aux else logits

@@ -1,9 +1,10 @@
 """Flax NNX layers with logical axes (``out_sharding`` metadata) over ``layers._core``.
 
 Each ``nnx.Param`` carries ``out_sharding=<logical axes>``; ``partition.nnx.init_sharded``
-resolves them through a rules table. Scanned stacks are built with ``nnx.vmap`` (which
-prepends ``'layers'`` to every ``out_sharding`` through ``transform_metadata``) and run
-with ``nnx.scan``.
+resolves them through a rules table. Modules only declare their parameters (the tables of
+``layers/_params.py``) and call the framework-free math (``layers._core``; the Transformer:
+``layers._model``). A scanned model declares every block parameter once with a leading
+``layers`` dim; ``layers._model.apply_blocks`` scans over it.
 
 >>> import jax, jax.numpy as jnp, partition
 >>> from flax import nnx
@@ -11,8 +12,8 @@ with ``nnx.scan``.
 >>> cfg = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_heads=2,
 ...                                num_kv_heads=1, head_dim=8, num_layers=2, scan_layers=True)
 >>> model = layers.nnx.Transformer(cfg, rngs=nnx.Rngs(0))
->>> model.blocks.attn.query.kernel.get_metadata()['out_sharding']
-('layers', 'embed', 'heads', 'head_dim')
+>>> model.blocks.attn.qkv.kernel.get_metadata()['out_sharding']
+('layers', 'embed', 'kv_heads', None, 'head_dim')
 >>> model(jnp.zeros((2, 8), jnp.int32)).shape
 (2, 8, 64)
 """
@@ -26,15 +27,18 @@ import jax.numpy as jnp
 from flax import nnx
 
 import partition
-from layers import _core, _moe
+from layers import _core, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
     ParamSpec,
-    check_tokens,
+    attention_params,
+    block_params,
     dense_params,
     embed_params,
+    mlp_params,
     moe_params,
     norm_params,
+    transformer_params,
 )
 
 Array = jax.Array
@@ -51,36 +55,55 @@ def _shape(features: int | tuple[int, ...]) -> tuple[int, ...]:
   return (features,) if isinstance(features, int) else tuple(features)
 
 
-class Dense(nnx.Module):
+class Params(nnx.Module):
+  """A nested dict of ``ParamSpec`` as attributes: ``nnx.Param``s, sub-dicts as ``Params``,
+  lists (unrolled blocks) as ``nnx.List``; :meth:`values` reads the arrays back."""
+
+  def __init__(self, specs: dict[str, Any], param_dtype: Any, rngs: nnx.Rngs):
+    self._names = tuple(specs)
+    for name, s in specs.items():
+      if isinstance(s, ParamSpec):
+        setattr(self, name, _param(s, param_dtype, rngs))
+      elif isinstance(s, list):
+        setattr(self, name, nnx.List([Params(b, param_dtype, rngs) for b in s]))
+      else:
+        setattr(self, name, Params(s, param_dtype, rngs))
+
+  def values(self) -> dict[str, Any]:
+    def value(x):
+      if isinstance(x, nnx.Param):
+        return x[...]
+      return [b.values() for b in x] if isinstance(x, nnx.List) else x.values()
+    return {name: value(getattr(self, name)) for name in self._names}
+
+
+class Dense(Params):
   """Dense over the last ``len(in_axes)`` dims: ``(..., *in_features) -> (..., *features)``.
 
   Params: ``kernel (*in_features, *features)`` with axes ``in_axes + out_axes``; ``bias
-  (*features)`` with ``out_axes`` when ``use_bias`` (else ``bias`` is ``None``).
+  (*features)`` with ``out_axes`` when ``use_bias``.
   """
 
   def __init__(self, in_features: int | tuple[int, ...], features: int | tuple[int, ...],
                in_axes: tuple = ("embed",), out_axes: tuple = ("mlp",), *,
                use_bias: bool = False, dtype: Any = None, param_dtype: Any = jnp.float32,
                rngs: nnx.Rngs):
-    specs = dense_params(_shape(in_features), features, in_axes, out_axes, use_bias,
-                         where="layers.nnx.Dense")
+    super().__init__(dense_params(_shape(in_features), features, in_axes, out_axes, use_bias,
+                                  where="layers.nnx.Dense"), param_dtype, rngs)
     self.contract, self.dtype = len(_shape(in_features)), dtype
-    self.kernel = _param(specs["kernel"], param_dtype, rngs)
-    self.bias = _param(specs["bias"], param_dtype, rngs) if use_bias else None
 
   def __call__(self, x: Array) -> Array:
-    bias = None if self.bias is None else self.bias[...]
-    return _core.dense(x, self.kernel[...], bias, contract=self.contract, dtype=self.dtype)
+    p = self.values()
+    return _core.dense(x, p["kernel"], p.get("bias"), contract=self.contract, dtype=self.dtype)
 
 
-class Embed(nnx.Module):
+class Embed(Params):
   """Token embedding ``embedding (vocab, embed)``; ``attend`` is the tied output layer."""
 
   def __init__(self, num_embeddings: int, features: int, *, dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(embed_params(num_embeddings, features), param_dtype, rngs)
     self.dtype = dtype
-    self.embedding = _param(embed_params(num_embeddings, features)["embedding"], param_dtype,
-                            rngs)
 
   def __call__(self, tokens: Array) -> Array:
     x = _core.embed(tokens, self.embedding[...], dtype=self.dtype)
@@ -92,166 +115,102 @@ class Embed(nnx.Module):
     return partition.constrain(logits, _core.LOGITS) if logits.ndim == 3 else logits
 
 
-class RMSNorm(nnx.Module):
+class RMSNorm(Params):
   """RMS normalisation of the last dim; ``scale (embed,)``."""
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(norm_params(num_features), param_dtype, rngs)
     self.epsilon = epsilon
-    self.scale = _param(norm_params(num_features)["scale"], param_dtype, rngs)
 
   def __call__(self, x: Array) -> Array:
     return _core.rms_norm(x, self.scale[...], eps=self.epsilon)
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(Params):
   """Layer normalisation of the last dim; ``scale``, ``bias (embed,)``."""
 
   def __init__(self, num_features: int, *, epsilon: float = 1e-6,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    specs = norm_params(num_features, use_bias=True)
+    super().__init__(norm_params(num_features, use_bias=True), param_dtype, rngs)
     self.epsilon = epsilon
-    self.scale = _param(specs["scale"], param_dtype, rngs)
-    self.bias = _param(specs["bias"], param_dtype, rngs)
 
   def __call__(self, x: Array) -> Array:
     return _core.layer_norm(x, self.scale[...], self.bias[...], eps=self.epsilon)
 
 
-class Attention(nnx.Module):
+class Attention(Params):
   """Grouped-query self-attention with rotary embeddings (params as ``layers.linen``)."""
 
   def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-               use_rope: bool = True, dtype: Any = None, param_dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    heads = lambda n, axis: Dense(embed_dim, (n, head_dim), ("embed",), (axis, "head_dim"),
-                                  **kw)
-    self.use_rope = use_rope
-    self.query = heads(num_heads, "heads")
-    self.key = heads(num_kv_heads, "kv_heads")
-    self.value = heads(num_kv_heads, "kv_heads")
-    self.out = Dense((num_heads, head_dim), embed_dim, ("heads", "head_dim"), ("embed",),
-                     **kw)
+               use_rope: bool = True, use_bias: bool = False, rope_theta: float = 10_000.0,
+               dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(attention_params(embed_dim, num_heads, num_kv_heads, head_dim, use_bias),
+                     param_dtype, rngs)
+    self.use_rope, self.rope_theta, self.dtype = use_rope, rope_theta, dtype
 
   def __call__(self, x: Array, mask: Array | None = None,
                positions: Array | None = None) -> Array:
-    out = _core.attention_core(self.query(x), self.key(x), self.value(x), mask=mask,
-                               positions=positions, use_rope=self.use_rope)
-    return partition.constrain(self.out(out), _core.EMBED)
+    return _core.attention(self.values(), x, mask=mask, positions=positions,
+                           use_rope=self.use_rope, rope_theta=self.rope_theta,
+                           dtype=self.dtype)
 
 
-class MLP(nnx.Module):
-  """Gated MLP: ``wi_gate``, ``wi_up (embed, mlp)``, ``wo (mlp, embed)`` kernels."""
+class MLP(Params):
+  """Gated MLP: ``wi (embed, 2, mlp)`` (gate, up) and ``wo (mlp, embed)`` kernels."""
 
   def __init__(self, embed_dim: int, mlp_dim: int, *, activation: str = "silu",
                dtype: Any = None, param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.activation = activation
-    self.wi_gate = Dense(embed_dim, mlp_dim, ("embed",), ("mlp",), **kw)
-    self.wi_up = Dense(embed_dim, mlp_dim, ("embed",), ("mlp",), **kw)
-    self.wo = Dense(mlp_dim, embed_dim, ("mlp",), ("embed",), **kw)
+    super().__init__(mlp_params(embed_dim, mlp_dim), param_dtype, rngs)
+    self.activation, self.dtype = activation, dtype
 
   def __call__(self, x: Array) -> Array:
-    h = _core.glu(self.wi_gate(x), self.wi_up(x), activation=self.activation)
-    return partition.constrain(self.wo(h), _core.EMBED)
+    return _core.mlp(self.values(), x, activation=self.activation, dtype=self.dtype)
 
 
-class MoE(nnx.Module):
+class MoE(Params):
   """Top-k mixture of gated-MLP experts; ``__call__`` returns ``(y, aux)``."""
 
   def __init__(self, embed_dim: int, num_experts: int, experts_per_token: int, mlp_dim: int,
                *, capacity_factor: float = 1.25, activation: str = "silu", dtype: Any = None,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs):
+    super().__init__(moe_params(embed_dim, mlp_dim, num_experts), param_dtype, rngs)
     self.k, self.capacity_factor = experts_per_token, capacity_factor
     self.activation, self.dtype = activation, dtype
-    specs = moe_params(embed_dim, mlp_dim, num_experts)
-    self.router = _param(specs["router"], param_dtype, rngs)
-    self.wi_gate = _param(specs["wi_gate"], param_dtype, rngs)
-    self.wi_up = _param(specs["wi_up"], param_dtype, rngs)
-    self.wo = _param(specs["wo"], param_dtype, rngs)
 
   def __call__(self, x: Array) -> tuple[Array, dict[str, Array]]:
-    return _moe.moe(x, self.router[...], self.wi_gate[...], self.wi_up[...], self.wo[...],
-                    k=self.k, capacity_factor=self.capacity_factor,
-                    activation=self.activation, dtype=self.dtype)
+    return _moe.moe(x, self.router[...], self.wi[...], self.wo[...], k=self.k,
+                    capacity_factor=self.capacity_factor, activation=self.activation,
+                    dtype=self.dtype)
 
 
-class Block(nnx.Module):
-  """Pre-norm decoder block; ``(x, mask, positions) -> (x, aux)``."""
+class Block(Params):
+  """Pre-norm decoder block (``layers._model.block``); ``(x, mask, positions) -> (x, aux)``."""
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-    c = config
-    kw = dict(dtype=c.dtype, param_dtype=c.param_dtype, rngs=rngs)
-    self.attn_norm = RMSNorm(c.embed_dim, param_dtype=c.param_dtype, rngs=rngs)
-    self.attn = Attention(c.embed_dim, c.num_heads, c.num_kv_heads, c.head_dim, **kw)
-    self.mlp_norm = RMSNorm(c.embed_dim, param_dtype=c.param_dtype, rngs=rngs)
-    if c.num_experts:
-      self.moe = MoE(c.embed_dim, c.num_experts, c.experts_per_token, c.mlp_dim, **kw)
-    else:
-      self.mlp = MLP(c.embed_dim, c.mlp_dim, **kw)
+    super().__init__(block_params(config), config.param_dtype, rngs)
+    self.config = config
 
   def __call__(self, x: Array, mask: Array | None, positions: Array | None
                ) -> tuple[Array, dict[str, Array]]:
-    x = partition.constrain(x + self.attn(self.attn_norm(x), mask, positions), _core.EMBED)
-    h = self.mlp_norm(x)
-    h, aux = self.moe(h) if hasattr(self, "moe") else (self.mlp(h), _core.no_aux())
-    return partition.constrain(x + h, _core.EMBED), aux
+    return _model.block(self.values(), x, self.config, mask, positions)
 
 
-def _stacked_blocks(config: TransformerConfig, rngs: nnx.Rngs) -> Block:
-  """``num_layers`` blocks as one Block whose params have a leading ``layers`` axis."""
-  @nnx.split_rngs(splits=config.num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-  def make(rngs: nnx.Rngs) -> Block:
-    return Block(config, rngs=rngs)
-  return make(rngs)
-
-
-def _run_block(config: TransformerConfig):
-  def run(block, x, mask, positions):
-    return block(x, mask, positions)
-  if config.remat == "none":
-    return run
-  return nnx.remat(run, policy=config.policy, prevent_cse=not config.scan_layers)
-
-
-class Transformer(nnx.Module):
+class Transformer(Params):
   """Decoder-only LM: ``tokens (batch, length)`` ints -> ``logits (batch, length, vocab)``.
 
-  Attributes: ``embed``, ``blocks`` (one stacked ``Block`` when ``config.scan_layers``,
-  else an ``nnx.List`` of blocks) and ``final_norm``; the output layer is tied to
-  ``embed``. Call: ``model(tokens, valid=None, return_aux=False)`` (see
+  Attributes: ``embed``, ``blocks`` (stacked params with a leading ``layers`` dim when
+  ``config.scan_layers``, else an ``nnx.List`` of per-block params), ``final_norm`` and,
+  untied, ``lm_head``. Call: ``model(tokens, valid=None, return_aux=False)`` (see
   ``layers.linen.Transformer``).
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
-    c = self.config = config
-    self.embed = Embed(c.vocab_size, c.embed_dim, dtype=c.dtype, param_dtype=c.param_dtype,
-                       rngs=rngs)
-    if c.scan_layers:
-      self.blocks = _stacked_blocks(c, rngs)
-    else:
-      self.blocks = nnx.List([Block(c, rngs=rngs) for _ in range(c.num_layers)])
-    self.final_norm = RMSNorm(c.embed_dim, param_dtype=c.param_dtype, rngs=rngs)
-
-  def _stack(self, x: Array, mask: Array, positions: Array) -> tuple[Array, Any]:
-    run = _run_block(self.config)
-    if self.config.scan_layers:
-      scan = nnx.scan(run, in_axes=(0, nnx.Carry, None, None), out_axes=(nnx.Carry, 0),
-                      transform_metadata={nnx.PARTITION_NAME: "layers"})
-      return scan(self.blocks, x, mask, positions)
-    auxes = []
-    for block in self.blocks:
-      x, a = run(block, x, mask, positions)
-      auxes.append(a)
-    return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+    super().__init__(transformer_params(config), config.param_dtype, rngs)
+    self.config = config
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
                return_aux: bool = False) -> Any:
-    check_tokens(tokens, self.config.max_len, "layers.nnx.Transformer")
-    x = self.embed(tokens)
-    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-    x, aux = self._stack(x, _core.decoder_mask(tokens, valid), positions)
-    logits = self.embed.attend(self.final_norm(x))
-    return (logits, _core.merge_aux(aux)) if return_aux else logits
+    logits, aux = _model.transformer(self.values(), tokens, self.config, valid,
+                                     where="layers.nnx.Transformer")
+    return (logits, aux) if return_aux else logits

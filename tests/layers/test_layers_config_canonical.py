@@ -84,11 +84,11 @@ def test_from_canonical_keeps_shardings_and_boxes():
   sharded = partition.flax.init_sharded(layers.linen.Transformer(config(scan_layers=True)),
                                         jax.random.key(0), TOKENS, rules=rules, mesh=mesh)
   loaded = layers.from_canonical(layers.to_canonical(m.params), like=sharded)
-  box = loaded["params"]["blocks"]["attn"]["query"]["kernel"]
-  assert box.names == ("layers", "embed", "heads", "head_dim")
-  assert box.value.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor", None))
+  box = loaded["params"]["blocks"]["attn"]["qkv"]["kernel"]
+  assert box.names == ("layers", "embed", "kv_heads", None, "head_dim")
+  assert box.value.sharding == NamedSharding(mesh, P(None, "fsdp", "tensor", None, None))
   np.testing.assert_array_equal(
-      np.asarray(box.value), np.asarray(m.params["params"]["blocks"]["attn"]["query"]
+      np.asarray(box.value), np.asarray(m.params["params"]["blocks"]["attn"]["qkv"]
                                         ["kernel"].value))
 
 

@@ -1,0 +1,122 @@
+"""The Transformer, composed once: block, block stack and model over a parameter tree.
+
+``layers.linen``, ``layers.nnx`` and ``layers.haiku`` declare the parameters of
+``layers._params.transformer_params(config)`` (each the framework's own way, with their
+logical axes), read them back as a nested dict of arrays and call :func:`transformer`; so the
+model is written here once, and the three frameworks compute the same thing by construction.
+
+:func:`apply_blocks` is the one place the block stack runs (scan over the stacked ``layers``
+dim or a loop, rematerialised per ``config.remat``): a schedule that splits the stack (e.g.
+pipeline stages over ``layers``) replaces exactly this function.
+
+>>> import jax, jax.numpy as jnp, layers
+>>> from layers._params import transformer_params
+>>> cfg = layers.TransformerConfig(num_layers=2, scan_layers=True)
+>>> specs = transformer_params(cfg)
+>>> is_spec = lambda s: hasattr(s, 'init') and hasattr(s, 'axes')
+>>> params = jax.tree.map(lambda s: s.init(jax.random.key(0), s.shape, jnp.float32), specs,
+...                       is_leaf=is_spec)
+>>> logits, aux = transformer(params, jnp.zeros((2, 5), jnp.int32), cfg)
+>>> logits.shape, sorted(aux)
+((2, 5, 64), ['dropped_tokens', 'load_balance_loss'])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import partition
+from layers import _core, _moe
+from layers._config import TransformerConfig
+from layers._params import check_tokens
+
+Array = jax.Array
+Params = dict[str, Any]
+
+
+def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
+          positions: Array | None) -> tuple[Array, dict[str, Array]]:
+  """Pre-norm decoder block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))`` (or MoE).
+
+  Args:
+    p: one block's params (``layers._params.block_params``): ``attn_norm``, ``attn``,
+      ``mlp_norm`` and ``mlp`` or ``moe``.
+    x: ``(batch, length, embed)``.
+    config: the model's config; mask, positions: as for ``_core.attention``.
+
+  Returns:
+    ``(x, aux)``: the block output and ``{'load_balance_loss', 'dropped_tokens'}``.
+  """
+  c = config
+  h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
+  h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
+                      dtype=c.dtype)
+  x = partition.constrain(x + h, _core.EMBED)
+  h = _core.rms_norm(x, p["mlp_norm"]["scale"], eps=c.norm_eps)
+  if c.num_experts:
+    m = p["moe"]
+    h, aux = _moe.moe(h, m["router"], m["wi"], m["wo"], k=c.experts_per_token,
+                      dtype=c.dtype)
+  else:
+    h, aux = _core.mlp(p["mlp"], h, dtype=c.dtype), _core.no_aux()
+  return partition.constrain(x + h, _core.EMBED), aux
+
+
+def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,
+                 mask: Array | None, positions: Array | None
+                 ) -> tuple[Array, dict[str, Array]]:
+  """Runs the block stack: THE seam of the model for layer schedules (e.g. pipelining).
+
+  Args:
+    blocks: with ``config.scan_layers``, one tree of stacked params (leading ``layers`` dim,
+      run with ``jax.lax.scan``); else a sequence of per-layer trees (a Python loop).
+    x: ``(batch, length, embed)`` embeddings; mask, positions: shared by every block.
+
+  Returns:
+    ``(x, aux)`` with each aux entry stacked over layers (``(num_layers,)``).
+  """
+  run = block
+  if config.remat != "none":
+    # Under scan, CSE cannot merge the recomputation with the forward pass anyway.
+    run = jax.checkpoint(block, policy=config.policy, prevent_cse=not config.scan_layers,
+                         static_argnums=(2,))
+  if config.scan_layers:
+    return jax.lax.scan(lambda h, p: run(p, h, config, mask, positions), x, blocks)
+  auxes = []
+  for p in blocks:
+    x, a = run(p, x, config, mask, positions)
+    auxes.append(a)
+  return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+def transformer(p: Params, tokens: Array, config: TransformerConfig,
+                valid: Array | None = None, *, where: str = "layers.Transformer"
+                ) -> tuple[Array, dict[str, Array]]:
+  """Decoder-only LM on a parameter tree (``layers._params.transformer_params``).
+
+  Args:
+    p: ``embed``, ``blocks`` (see :func:`apply_blocks`), ``final_norm`` and, when
+      ``config.tie_embeddings`` is False, ``lm_head``.
+    tokens: ``(batch, length)`` int ids, ``length <= config.max_len``.
+    valid: ``(batch, length)`` bool, True for real tokens (a padding mask), or None.
+    where: the caller's name for error messages.
+
+  Returns:
+    ``(logits (batch, length, vocab), aux)``, aux merged over layers (``_core.merge_aux``).
+  """
+  c = config
+  check_tokens(tokens, c.max_len, where)
+  table = p["embed"]["embedding"]
+  x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  x, aux = apply_blocks(p["blocks"], x, c, _core.decoder_mask(tokens, valid), positions)
+  x = _core.rms_norm(x, p["final_norm"]["scale"], eps=c.norm_eps)
+  if c.tie_embeddings:
+    logits = _core.attend(x, table, dtype=c.dtype)
+  else:
+    logits = _core.dense(x, p["lm_head"]["kernel"], dtype=c.dtype)
+  return partition.constrain(logits, _core.LOGITS), _core.merge_aux(aux)
