@@ -53,4 +53,4 @@ from partition._optim import optimizer_axes as optimizer_axes
 from partition._optim import optimizer_init as optimizer_init
 
 # --- pipeline parallelism (issue 17) ---
-from partition._pipeline import (LayerCountError as LayerCountError, MicrobatchError as MicrobatchError, PipelineError as PipelineError, PipelinePlan as PipelinePlan, StageAxisError as StageAxisError, pipeline as pipeline, pipeline_bubble as pipeline_bubble)  # noqa: E501
+from partition._pipeline import (LayerCountError as LayerCountError, MicrobatchError as MicrobatchError, PipelineError as PipelineError, PipelinePlan as PipelinePlan, StageAxisError as StageAxisError, pipeline as pipeline, pipeline_bubble as pipeline_bubble, stage_axis as stage_axis)  # noqa: E501

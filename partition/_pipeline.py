@@ -39,6 +39,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,7 +50,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from partition import _mesh
-from partition._context import current_rules, current_rules_mesh
+from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import PartitionError, did_you_mean, format_message, fun_name
 
 
@@ -163,7 +164,7 @@ class PipelinePlan:
             f"bubble={self.bubble:.3f})")
 
 
-def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int,
+def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int | None = None,
              repeats: int = 1, stage_axis: str | None = None, consts: Sequence[Any] = (),
              mesh: jax.sharding.Mesh | None = None, rules: Any = None,
              remat_policy: Callable | str | None = None, layers_axis: str = "layers") -> Any:
@@ -181,9 +182,9 @@ def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int,
       dtypes of one micro-batch of ``x``.
     params: a pytree whose leaves all have the leading ``layers`` axis of size ``L``.
     x: an array or pytree of arrays with a leading batch dim (the same size in each leaf).
-    microbatches: ``m``, the number of micro-batches; at least the number of stages.
-      Micro-batch ``i`` holds rows ``i, i + m, i + 2m, ...``, so rows sharded over data
-      axes stay on their devices.
+    microbatches: ``m``, the number of micro-batches; at least the number of stages
+      (default: the number of stages). Micro-batch ``i`` holds rows ``i, i + m, i + 2m,
+      ...``, so rows sharded over data axes stay on their devices.
     repeats: ``r``; 1 is GPipe; ``r > 1`` is the circular schedule (each stage holds ``r``
       chunks of ``L / (p r)`` layers, chunk ``c`` on stage ``c mod p``).
     stage_axis: the mesh axis of the stages; default: the mesh axis the rules give
@@ -220,6 +221,26 @@ def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int,
   return jax.tree.map(_join_micro, out)
 
 
+def stage_axis(rules: Any = None, mesh: jax.sharding.Mesh | None = None,
+               layers_axis: str = "layers") -> str | None:
+  """The mesh axis :func:`pipeline` would run the stages on, or ``None`` (a plain scan).
+
+  That is the mesh axis the rules give ``layers_axis``, when the mesh has it with size > 1.
+  Model code uses it to decide whether its stacked layers run pipelined.
+
+  >>> import jax, partition
+  >>> mesh = jax.make_mesh((4, 2), ('stage', 'data'))
+  >>> partition.stage_axis([('layers', 'stage')], mesh), partition.stage_axis([], mesh)
+  ('stage', None)
+  """
+  rules = current_rules(rules)
+  mesh = current_rules_mesh(mesh)
+  if mesh is None:  # single-device code (e.g. an unsharded init): no stages to run on
+    return None
+  axis = _stage_axis(None, rules, mesh, layers_axis, "partition.stage_axis")
+  return axis if axis is not None and dict(mesh.shape)[axis] > 1 else None
+
+
 # -- the schedule ---------------------------------------------------------------------------
 
 
@@ -229,6 +250,12 @@ def _stage_program(layer: Callable, plan: PipelinePlan) -> Callable:
   shift = [(i, (i + 1) % p) for i in range(p)]
 
   def body(local_params, micro, consts):
+    # Activation constraints in the layers (partition.constrain, flax's logical constraints)
+    # must name the mesh as seen inside shard_map: the stage axis is Manual here.
+    with _inner_mesh_context():
+      return schedule(local_params, micro, consts)
+
+  def schedule(local_params, micro, consts):
     s = lax.axis_index(stage)
     chunks = _circular_chunks(local_params, plan)  # [r, L/(p r), ...] in schedule order
     # The buffer starts as the micro-batches and ends as the outputs: stage 0 reads item
@@ -260,6 +287,12 @@ def _stage_program(layer: Callable, plan: PipelinePlan) -> Callable:
                         buf)
 
   return body
+
+
+def _inner_mesh_context():
+  if current_rules() is None or current_rules_mesh() is None:
+    return contextlib.nullcontext()
+  return axis_rules(None, mesh=jax.sharding.get_abstract_mesh())
 
 
 def _write_slot(buf: jax.Array, value: jax.Array, slot: jax.Array, keep: jax.Array):
@@ -412,6 +445,7 @@ def _plan(layer_fn, params, x, microbatches, repeats, stage_axis, mesh, rules, l
   num_layers = _num_layers(params, api)
   stage_axis = _stage_axis(stage_axis, rules, mesh, layers_axis, api)
   stages = 1 if stage_axis is None else dict(mesh.shape)[stage_axis]
+  microbatches = stages if microbatches is None else microbatches
   plan = PipelinePlan(stage_axis if stages > 1 else None, stages, repeats, microbatches,
                       num_layers)
   if plan.stage_axis is None:

@@ -122,18 +122,23 @@ def test_matches_one_device_explicit_mesh(num_layers, stages, repeats, other):
 # -- the compiled program -------------------------------------------------------------------
 
 TRIP_COUNT = re.compile(r'known_trip_count":\{"n":"(\d+)"')
-ALL_GATHER = re.compile(r"\sall-gather(?:-start)?\(.*?replica_groups=(\S+)")
+ALL_GATHER = re.compile(r"\sall-gather(?:-start)?\(.*replica_groups=.*")
 
 
-def group_size(replica_groups: str) -> int:
-  """Devices per group of an HLO ``replica_groups=`` value (iota ``[g,n]<=[...]`` or lists)."""
-  iota = re.match(r"\[(\d+),(\d+)\]<=", replica_groups)
+def group_size(line: str) -> int:
+  """Devices per replica group of one HLO collective line: the forms XLA prints are
+  ``mesh['a'=2,'b'=4] {'b'}``, iota ``[groups,size]<=[...]`` and explicit ``{{0,1},...}``."""
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if mesh:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh.group(1))}
+    return int(np.prod([sizes[a] for a in re.findall(r"'([^']+)'", mesh.group(2))]))
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", line)
   if iota:
     return int(iota.group(2))
-  lists = re.match(r"\{\{([\d,]+)\}", replica_groups)
+  lists = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
   if lists:
     return len(lists.group(1).split(","))
-  raise AssertionError(f"unparsed replica_groups {replica_groups!r}")
+  raise AssertionError(f"unparsed replica_groups in {line!r}")
 
 
 def compiled_text(num_layers, stages, repeats, other, microbatches):
@@ -392,3 +397,53 @@ def test_presets_put_layers_on_stage(preset, other):
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     got = partition.pipeline(layer, params, x, microbatches=4)
   np.testing.assert_allclose(got, sequential(params, x), rtol=RTOL, atol=ATOL)
+
+
+# -- the layers Transformer under pipeline rules --------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,other", [("pipeline_parallel", "data"), ("fsdp_pp", "fsdp")])
+def test_layers_linen_transformer_pipelined_equals_one_device(preset, other):
+  import pathlib
+
+  import layers
+  import layers.linen
+  import partition.flax
+
+  cfg = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_heads=4,
+                                 num_kv_heads=2, head_dim=8, num_layers=4, scan_layers=True)
+  rng = np.random.default_rng(2)
+  tokens = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
+  targets = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
+  model = layers.linen.Transformer(cfg)
+
+  def loss(params, tokens, targets):
+    logp = jax.nn.log_softmax(model.apply(params, tokens).astype(jnp.float32))
+    return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+  params = model.init(jax.random.key(0), tokens)
+  want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params, tokens, targets)
+  rules = partition.AxisRules.from_file(
+      pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / f"{preset}.yaml")
+  mesh = jax.make_mesh((2, 4), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
+  with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
+    placed = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=rules,
+                                         mesh=mesh)
+    step = jax.jit(jax.value_and_grad(loss))
+    got_loss, got_grads = step(placed, tokens, targets)
+    hlo = step.lower(placed, tokens, targets).compile().as_text()
+  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL)
+  flat_got = jax.tree_util.tree_leaves_with_path(partition.unbox(got_grads))
+  flat_want = jax.tree.leaves(partition.unbox(want_grads))
+  for (path, g), w in zip(flat_got, flat_want, strict=True):
+    w = np.asarray(w)
+    # atol scaled by the tensor's magnitude: the pipeline and the FSDP split reorder sums
+    np.testing.assert_allclose(np.asarray(g), w, rtol=RTOL, atol=RTOL * np.abs(w).max(),
+                               err_msg=jax.tree_util.keystr(path))
+  assert TRIP_COUNT.findall(hlo).count(str(4 + 4 - 1)) == 2  # m = p = 4 by default
+  # Inside the pipeline (the shard_map) nothing is gathered over 'stage' (size 4): each
+  # stage's blocks stay on it. Outside it, XLA may split the tied-embedding logits over the
+  # otherwise idle stage devices; that table is not stacked and lives on every stage.
+  inside = [g for g in ALL_GATHER.findall(hlo) if "shard_map" in g]
+  assert all(group_size(g) != 4 for g in inside)
