@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 import partition
 from layers import _core, _moe
-from layers._config import TransformerConfig
+from layers._config import ConfigError, TransformerConfig
 from layers._params import check_tokens
 
 Array = jax.Array
@@ -84,6 +84,8 @@ def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: Transforme
     # Under scan, CSE cannot merge the recomputation with the forward pass anyway.
     run = jax.checkpoint(block, policy=config.policy, prevent_cse=not config.scan_layers,
                          static_argnums=(2,))
+  if config.scan_layers and partition.stage_axis() is not None:
+    return _pipelined(run, blocks, x, config, mask, positions)
   if config.scan_layers:
     return jax.lax.scan(lambda h, p: run(p, h, config, mask, positions), x, blocks)
   auxes = []
@@ -91,6 +93,31 @@ def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: Transforme
     x, a = run(p, x, config, mask, positions)
     auxes.append(a)
   return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
+
+
+def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: Array | None,
+               positions: Array | None) -> tuple[Array, dict[str, Array]]:
+  """The stacked blocks as a pipeline over the mesh axis the rules give ``layers``
+  (``partition.pipeline``, docs/pipeline.md); per-example mask/positions travel with ``x``."""
+  if config.num_experts:
+    raise ConfigError("layers: a pipelined block stack (the rules map 'layers' to a mesh "
+                      "axis) does not collect MoE aux losses; use num_experts=0, or map "
+                      "'layers' to None.")
+  per_example = [a is not None and a.shape[0] != 1 for a in (mask, positions)]
+
+  def layer(p, carry, *shared):
+    rest = iter(carry[1:])
+    fixed = iter(shared)
+    m, pos = (next(rest) if b else next(fixed) for b in per_example)
+    return (run(p, carry[0], config, m, pos)[0], *carry[1:])
+
+  carry = (x, *(a for a, b in zip((mask, positions), per_example) if b))
+  shared = tuple(a for a, b in zip((mask, positions), per_example) if not b)
+  out = partition.pipeline(layer, blocks, carry, consts=shared,
+                           microbatches=getattr(config, "pipeline_microbatches", None))
+  num_layers = jax.tree.leaves(blocks)[0].shape[0]
+  aux = jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype), _core.no_aux())
+  return out[0], aux
 
 
 def transformer(p: Params, tokens: Array, config: TransformerConfig,

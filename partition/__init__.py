@@ -54,6 +54,16 @@ from partition._optim import optimizer_init as optimizer_init
 from partition._hlo import collective_stats as collective_stats
 from partition._warnings import PartitionWarning as PartitionWarning
 
+# --- pipeline parallelism ---
+from partition._pipeline import LayerCountError as LayerCountError
+from partition._pipeline import MicrobatchError as MicrobatchError
+from partition._pipeline import PipelineError as PipelineError
+from partition._pipeline import PipelinePlan as PipelinePlan
+from partition._pipeline import StageAxisError as StageAxisError
+from partition._pipeline import pipeline as pipeline
+from partition._pipeline import pipeline_bubble as pipeline_bubble
+from partition._pipeline import stage_axis as stage_axis
+
 # --- helpers for packages built on partition (layers/, recipes/): one message layout ---
 from partition._errors import did_you_mean as did_you_mean
 from partition._errors import format_message as format_message
