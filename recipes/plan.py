@@ -231,14 +231,15 @@ def compile_step(config) -> dict[str, Any]:
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   groups: dict[str, float] = {}
-  for op in partition.collective_stats(compiled, run.mesh).ops:
+  collectives = partition.collective_stats(compiled, run.mesh)
+  for op in collectives.ops:
     if op.axes == ():
       continue
     key = "?" if op.axes is None else ",".join(op.axes)
     groups[key] = groups.get(key, 0.0) + op.bytes
   return {"memory": memory.to_dict(), "flops": float(cost.get("flops", 0.0)),
           "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-          "collective_bytes": groups, "compile_s": time.perf_counter() - start}
+          "collective_bytes": groups, "collectives": collectives.as_dict(), "compile_s": time.perf_counter() - start}
 
 
 def _worker(path: str) -> int:
@@ -325,9 +326,11 @@ class Cache:
 
 def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip,
              devices: int, hosts: int) -> Result:
-  """The roofline of a candidate from its compiled figures where it has them (the FLOPs,
-  HBM bytes and each axis group's collective bytes split over the phases as the estimate
-  splits them), else from the estimate."""
+  """The roofline of a candidate from its compiled figures where it has them (the FLOPs and
+  each axis group's collective bytes, split over the phases as the estimate splits them),
+  else from the estimate. HBM traffic is always the estimate's: the CPU compiler's
+  ``bytes accessed`` (kept in the JSON) counts what XLA:CPU's fusions touch, not what an
+  accelerator's would."""
   if not compiled:
     t = roofline.step_time(flops=est.flops, hbm_bytes=est.hbm_bytes, comm_s=est.comm_s,
                            chip=chip, model_flops=est.model_flops, devices=devices)
@@ -346,7 +349,7 @@ def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip
       comm_s[p][key] = roofline.wire_seconds(axes, wire * split[p], mesh, links)
   t = roofline.step_time(
       flops={p: compiled["flops"] * f_share[p] for p in roofline.PHASES},
-      hbm_bytes={p: compiled["bytes_accessed"] * f_share[p] for p in roofline.PHASES},
+      hbm_bytes=est.hbm_bytes,  # XLA:CPU's "bytes accessed" follows CPU fusion, not an HBM's
       comm_s=comm_s, chip=chip, model_flops=est.model_flops, devices=devices)
   peak = compiled["memory"]["peak"]
   return Result(c, est, compiled, t, peak, peak <= chip.hbm_bytes)
