@@ -138,7 +138,7 @@ def candidates(config, params, presets: Sequence[str], devices: int,
       rows, seq = plan_model.batch_groups(rules, mesh, config.batch_size, config.seq_len)
       sig = plan_model.sharding_signature(params, rules, mesh, config.batch_size,
                                           config.seq_len)
-      used = {a for spec in sig for dim in spec for a in dim}
+      used = {a for spec in sig[:-1] for dim in spec for a in dim}
       if any(v > 1 and a not in used for a, v in mesh.items()):
         continue  # devices that neither split the batch nor hold a shard: idle copies
       per_device_rows = config.batch_size // math.prod(mesh[a] for a in rows)
@@ -594,6 +594,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="high-bandwidth domains (TPU slices / GPU nodes) the chips form; "
                            "the outermost mesh axes that span them run at DCN speed "
                            "(default: N / the chip's domain size, rounded up)")
+  parser.add_argument("--ici-dims", type=int, default=None, metavar="D",
+                      help="torus dimensions the slice uses (default: the chip's, 3 for "
+                           "v4/v5p, 2 for v5e/v6e); 1 models a one-axis ring, as the Scaling "
+                           "Book's 2,550 tokens per chip for 1-D data parallelism on v5p")
   parser.add_argument("--batch-tokens", type=int, default=None, metavar="T",
                       help="global batch in tokens (sets batch_size = T / seq_len)")
   parser.add_argument("--config", help="a YAML config (default: recipes/configs/default.yaml)")
@@ -629,6 +633,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _worker(args.compile_worker)
   try:
     chip = chips_lib.get_chip(args.chip)
+    if args.ici_dims is not None:
+      if args.ici_dims < 1:
+        raise PlanError(f"--ici-dims {args.ici_dims} must be at least 1.")
+      chip = dataclasses.replace(chip, torus_dims=args.ici_dims)
     overrides = list(args.overrides)
     config = load_config(args.config or train.default_config_path(), overrides)
     if args.batch_tokens is not None:

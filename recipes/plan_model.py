@@ -118,7 +118,8 @@ def _group(axes, mesh: Mapping[str, int]) -> tuple[str, ...]:
 def sharding_signature(params: Sequence[ParamShape], rules, mesh: Mapping[str, int],
                        batch: int, seq_len: int) -> tuple:
   """What distinguishes two plans' shardings: every parameter's and the batch's spec with
-  size-1 mesh axes dropped (e.g. ``fsdp_tp`` on ``tensor=1`` is ``fsdp``)."""
+  size-1 mesh axes dropped, and the sizes of the others (``fsdp_tp`` on ``tensor=1`` is
+  ``fsdp``). Its last entry is the mesh's ``(axis, size)`` pairs."""
   from jax.sharding import AbstractMesh
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
   sig = []
@@ -127,6 +128,7 @@ def sharding_signature(params: Sequence[ParamShape], rules, mesh: Mapping[str, i
     sig.append(tuple(_group(d, mesh) for d in _spec_axes(spec)))
   bspec = rules.spec(BATCH_AXES, (batch, seq_len), amesh)
   sig.append(tuple(_group(d, mesh) for d in _spec_axes(bspec)))
+  sig.append(tuple((a, v) for a, v in mesh.items() if v > 1))
   return tuple(sig)
 
 
