@@ -192,10 +192,9 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     add("backward", replicated, "all-reduce", nbytes / size(shard))
 
   c = model
-  heads = c.num_heads / _split(rules, amesh, "heads", c.num_heads)
-  kv = c.num_kv_heads / _split(rules, amesh, "kv_heads", c.num_kv_heads)
-  mlp = c.mlp_dim / _split(rules, amesh, "mlp", c.mlp_dim)
-  vocab = c.vocab_size / _split(rules, amesh, "vocab", c.vocab_size)
+  split = lambda name, dim: dim / _split(rules, amesh, name, dim, batch, seq_len)
+  heads, kv = split("heads", c.num_heads), split("kv_heads", c.num_kv_heads)
+  mlp, vocab = split("mlp", c.mlp_dim), split("vocab", c.vocab_size)
   d, hd, L = c.embed_dim, c.head_dim, c.num_layers
   tensor = tuple(ax for ax in mesh if ax in tensor_axes)
   for phase in roofline.PHASES:     # Megatron: 2 all-reduces of [T, D] per layer and pass
@@ -228,10 +227,12 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   return Estimate(memory, flops, 3 * forward, hbm, comm_bytes, comm_b, comm_t)
 
 
-def _split(rules, amesh, name: str, dim: int) -> int:
-  """How many shards the rules give a lone logical axis ``name`` of size ``dim``."""
-  axes = _spec_axes(rules.spec((name,), (dim,), amesh))
-  return math.prod(amesh.shape[ax] for d in axes for ax in d) if axes else 1
+def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
+  """How many shards the rules give the logical axis ``name`` of an activation
+  ``[batch, length, name]`` (mesh axes the batch already takes are not available to it)."""
+  spec = _spec_axes(rules.spec(BATCH_AXES + (name,), (batch, seq_len, dim), amesh))
+  spec += [()] * (3 - len(spec))
+  return math.prod(amesh.shape[ax] for ax in spec[2])
 
 
 def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: float,
