@@ -12,8 +12,10 @@ resolve through the rules:
   activations are alive at a time); micro-batch ``j`` holds rows ``j, j+k, j+2k, ...`` of each
   device's block, so no row leaves its device;
 * parameters keep the shardings of their logical axes, and gradients come out with exactly
-  those shardings (accumulated sharded in the loop carry, all-reduced only over the batch's
-  mesh axes).
+  those shardings, reduced only over the batch's mesh axes: with ``k > 1``, once after the
+  loop for parameters replicated over those axes (each device accumulates its rows'
+  gradients unreduced, see ``partition/_reduce_once.py``), per micro-batch for parameters
+  sharded over them (FSDP: a carry of ``1/N`` the size); ``grad_reduction=`` chooses.
 
 Example:
   >>> import jax, jax.numpy as jnp, numpy as np
@@ -53,6 +55,7 @@ from partition._errors import AxisSizeError, PartitionError, SpecError, format_m
 from partition._resources import SerialLoop
 from partition._rules import AxisRules, is_axes_leaf
 from partition._specs import Logical, Mean
+from partition._reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap import xmap
 
 _MICRO = "__microbatch__"
@@ -65,8 +68,8 @@ class GradSpecError(PartitionError, ValueError):
 def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None,
                    rules: Any = None, mesh: jax.sharding.Mesh | None = None,
                    has_aux: bool = False, microbatches: int | None = None,
-                   batch_axis: str | None = None, rng_argnums: int | Sequence[int] = ()
-                   ) -> Callable:
+                   batch_axis: str | None = None, rng_argnums: int | Sequence[int] = (),
+                   grad_reduction: str = "auto") -> Callable:
   """Like ``jax.value_and_grad(loss_fn)``, sharded by logical axes and micro-batched.
 
   Args:
@@ -88,6 +91,23 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
     rng_argnums: positions (in ``(params, batch, *rest)``) of PRNG keys; with ``k > 1``
       micro-batch ``j`` gets ``jax.random.fold_in(key, j)``, so dropout masks differ between
       micro-batches as they differ between the rows of one batch (``k = 1``: the key as is).
+      Where gradients are reduced once (below), device shard ``i`` of micro-batch ``j`` gets
+      ``fold_in(fold_in(key, j), i)``.
+    grad_reduction: when the gradients of ``k > 1`` micro-batches are reduced over the
+      batch's mesh axes:
+
+      * ``'per_microbatch'``: in every iteration of the loop; the carry holds gradients in
+        the parameters' shardings (for FSDP-sharded parameters: ``1/N`` of their size per
+        device), and the reduction bytes are ``k`` times one reduction's.
+      * ``'once'``: after the loop; each device accumulates its rows' gradients unreduced
+        (a full-size carry per device) and one all-reduce (reduce-scatter for parameters
+        sharded over the batch axes) follows the loop.
+      * ``'auto'`` (default): once for the parameters replicated over the batch's mesh axes
+        (the full-size carry is their own size: free), per micro-batch for the ones sharded
+        over them (FSDP), where once would cost ``N`` times the carry memory.
+
+      The results are the same up to float summation order. With ``k = 1``, no batch mesh
+      axes, or batch axes of type ``Explicit`` (``'auto'`` only), there is one schedule.
 
   Returns:
     ``step(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -104,12 +124,13 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
       microbatches, (int, np.integer)) or microbatches < 1):
     raise AxisSizeError(f"value_and_grad: microbatches must be a positive int, got "
                         f"{microbatches!r}.")
+  _check_grad_reduction(grad_reduction)
   rng_argnums = (rng_argnums,) if isinstance(rng_argnums, int) else tuple(rng_argnums)
   if any(isinstance(i, bool) or not isinstance(i, int) or i < 2 for i in rng_argnums):
     raise SpecError(f"value_and_grad: rng_argnums={rng_argnums!r} must be positions >= 2 in "
                     "(params, batch, *rest): keys are extra arguments after the batch.")
   config = _Config(loss_fn, batch_axes, param_axes, rules, mesh, has_aux, microbatches,
-                   batch_axis, rng_argnums)
+                   batch_axis, rng_argnums, grad_reduction)
   jitted = jax.jit(config.step)
 
   def step(params, batch, *rest):
@@ -134,6 +155,7 @@ class _Config:
   microbatches: int | None
   batch_axis: str | None
   rng_argnums: tuple[int, ...]
+  grad_reduction: str = "auto"
 
   def context(self):
     from partition._context import current_rules, current_rules_mesh
@@ -162,6 +184,20 @@ class _Config:
     batch_plan = _BatchPlan.build(self, batch, rules, mesh)
     k = batch_plan.k
     param_specs = _param_specs(self.param_axes, params, rules, mesh)
+    once = _reduce_once_rule(self, batch_plan, param_specs, rules, mesh)
+    if once is not None:
+      try:
+        with _abstract_mesh_context(mesh):
+          return reduce_once_step(
+              self.loss_fn, self.has_aux, params, batch, rest, rules=rules, mesh=mesh,
+              batch_axes=batch_plan.axes, dims=batch_plan.dims, k=k, m=batch_plan.m,
+              mesh_axes=batch_plan.mesh_axes, param_specs=param_specs, once=once,
+              rng_positions=[i - 2 for i in self.rng_argnums])
+      except ValueError as e:
+        # A model that pins the batch's mesh axes itself (with_sharding_constraint(x,
+        # P('data', ...))) cannot run per device shard: 'auto' keeps the per-micro-batch loop.
+        if "spmd_axis_name" not in str(e) or self.grad_reduction == "once":
+          raise _once_error(e, batch_plan.mesh_axes) if "spmd_axis_name" in str(e) else e
     # k micro-batches are a named loop axis; with k = 1 there is no axis at all (a size-1
     # vmap would only add copies), and xmap just places the step.
     looped = k > 1
@@ -201,6 +237,43 @@ class _Config:
       return mapped(params, micro, *rest)
 
 
+def _check_grad_reduction(grad_reduction) -> None:
+  if not isinstance(grad_reduction, str) or grad_reduction not in SCHEDULES:
+    raise GradSpecError(
+        f"value_and_grad: grad_reduction={grad_reduction!r} is not a schedule; choose one of "
+        f"{', '.join(repr(s) for s in SCHEDULES)} ('auto': reduce once after the micro-batch "
+        "loop where the parameter is replicated over the batch's mesh axes, per micro-batch "
+        "where it is sharded over them).")
+
+
+def _once_error(e: ValueError, mesh_axes) -> GradSpecError:
+  return GradSpecError(format_message(
+      "value_and_grad(grad_reduction='once'): the loss constrains an array to the batch's "
+      f"mesh axes {mesh_axes} itself, but reducing once runs the loss per device shard of "
+      "each micro-batch, where those axes hold the shards.",
+      context=[f"JAX says: {str(e).splitlines()[0]}"],
+      fix="Constrain activations by logical name (partition.constrain, "
+          "nn.with_logical_constraint), or use grad_reduction='per_microbatch'."))
+
+
+def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mesh):
+  """``once(spec)`` for the parameters whose gradients are reduced after the micro-batch
+  loop, or ``None`` where the per-micro-batch schedule (the xmap loop) runs everything."""
+  if (config.grad_reduction == "per_microbatch" or plan.k == 1 or plan.m == 1
+      or rules is None or not isinstance(mesh, jax.sharding.Mesh)):
+    return None
+  axes = plan.mesh_axes
+  if config.grad_reduction == "once":
+    return lambda spec: True
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  if any(types.get(a) == jax.sharding.AxisType.Explicit for a in axes):
+    return None
+  specs = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec) if param_specs else [None]
+  if all(uses_axes(s, axes) for s in specs):
+    return None  # every parameter is sharded over the batch axes: per micro-batch (today's)
+  return lambda spec: not uses_axes(spec, axes)
+
+
 def _abstract_mesh_context(mesh):
   """Makes ``mesh`` the context mesh while tracing (if none is), so bare-spec constraints in
   the model (flax's ``nn.with_logical_constraint``) see it."""
@@ -237,6 +310,7 @@ class _BatchPlan:
   dims: Any       # per leaf: the position of the batch dim
   k: int
   m: int
+  mesh_axes: tuple[str, ...] = ()  # the mesh axes of the batch dim
 
   @staticmethod
   def build(config: _Config, batch, rules, mesh) -> _BatchPlan:
@@ -274,7 +348,7 @@ class _BatchPlan:
           fix=f"Use a batch size that is a multiple of {m * k} (the same in every leaf)."))
     treedef = jax.tree_util.tree_structure(batch)
     return _BatchPlan(jax.tree_util.tree_unflatten(treedef, axes_leaves),
-                      jax.tree_util.tree_unflatten(treedef, dims), k, m)
+                      jax.tree_util.tree_unflatten(treedef, dims), k, m, tuple(mesh_axes))
 
   def to_micro(self, x, dim: int):
     """``(..., N, ...)`` -> ``(k, ..., N/k, ...)``: micro-batch ``j`` holds rows ``j, j+k, ...``

@@ -313,13 +313,18 @@ def _groups(ins: _Instr, n_devices: int) -> list[list[int]]:
     if not pairs:
       return [[d] for d in range(n_devices)]
     return [[int(x) for x in p.split(",")] for p in re.findall(r"\{(\d+,\d+)", pairs[1] + "}")]
-  m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\](?:<=\[(?P<dims>[\d,]+)\]"
-                r"(?:T\((?P<perm>[\d,]+)\))?)?\s*\{(?P<used>[^}]*)\}", a)
-  if m:
+  m = re.search(r"replica_groups=mesh\[(?P<axes>[^\]]*)\]"
+                r"(?:,? ?device_ids=\((?:\[(?P<dims>[\d,]+)\](?:T\((?P<perm>[\d,]+)\))?"
+                r"|(?P<ids>[\d, ]+))\))?\s*\{(?P<used>[^}]*)\}", a)
+  if m:  # mesh['a'=4,'b'=2] {'a'}, with device_ids=([2,4]T(1,0)) or (0,2,...) as the order
     names = re.findall(r"'([^']+)'=(\d+)", m["axes"])
     sizes = [int(s) for _, s in names]
-    ids = (_iota(m["dims"], m["perm"]).reshape(sizes) if m["dims"]
-           else np.arange(math.prod(sizes)).reshape(sizes))
+    if m["dims"]:
+      ids = _iota(m["dims"], m["perm"]).reshape(sizes)
+    elif m["ids"]:
+      ids = np.array([int(x) for x in m["ids"].split(",")]).reshape(sizes)
+    else:
+      ids = np.arange(math.prod(sizes)).reshape(sizes)
     used = [[n for n, _ in names].index(u) for u in re.findall(r"'([^']+)'", m["used"])]
     rest = [i for i in range(len(sizes)) if i not in used]
     return ids.transpose(rest + used).reshape(-1, math.prod(sizes[i] for i in used)).tolist()

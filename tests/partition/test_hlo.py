@@ -131,6 +131,10 @@ def test_tuple_all_reduce_splits_its_sliced_operand():
     ("replica_groups={}", ("a", "b")),
     ("replica_groups=mesh['axis_0'=1,'axis_1'=4,'axis_2'=2] {'axis_1'}", ("a",)),
     ("replica_groups=mesh['x'=4,'y'=2] {'x','y'}", ("a", "b")),
+    # device order [4,2]T(1,0): position (i, j) of the 2 x 4 mesh holds device 2 j + i
+    ("replica_groups=mesh['x'=2,'y'=1,'z'=4], device_ids=([4,2]T(1,0)) {'z'}", ("a",)),
+    ("replica_groups=mesh['x'=2,'y'=1,'z'=4], device_ids=([4,2]T(1,0)) {'x'}", ("b",)),
+    ("replica_groups=mesh['x'=2,'y'=4], device_ids=(0,2,4,6,1,3,5,7) {'x'}", ("b",)),
     ("replica_groups={{0,1,2,3},{4,5,6,7}}", None),  # half of 'a' x 'b': no product of axes
 ])
 def test_replica_group_forms_map_to_mesh_axes(groups, axes):

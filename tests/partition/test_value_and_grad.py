@@ -130,9 +130,11 @@ def test_loops_from_the_rules_table():
   assert "while" in text  # the four micro-batches are a loop
 
 
-def test_microbatches_split_rows_strided_within_each_device():
+@pytest.mark.parametrize("schedule", ["per_microbatch", "once"])
+def test_microbatches_split_rows_strided_within_each_device(schedule):
   """Micro-batch j holds rows j, j+k, ... of each device's block: checked through a loss
-  whose gradient records which rows it saw (aux = the per-micro-batch row ids)."""
+  whose gradient records which rows it saw (aux = the per-micro-batch row ids). Reducing
+  once, the loss runs per device shard of each micro-batch (aux averaged over both)."""
   mesh, rules = _mesh(), partition.AxisRules([("batch", "data")])
   k, rows = 2, 8
   ids = np.arange(rows, dtype=np.float32)
@@ -149,15 +151,20 @@ def test_microbatches_split_rows_strided_within_each_device():
 
   step = partition.value_and_grad(recording, batch_axes={"id": ("batch",)},
                                   param_axes={"w": (None,)}, rules=rules, mesh=mesh,
-                                  microbatches=k, has_aux=True)
+                                  microbatches=k, has_aux=True, grad_reduction=schedule)
   (_, aux), _ = step({"w": np.ones(2, np.float32)}, {"id": ids})
   jax.effects_barrier()
   # devices hold blocks [0..3] and [4..7]; micro 0 = rows 0, 2 | 4, 6; micro 1 = 1, 3 | 5, 7
-  assert sorted(tuple(s) for s in seen) == [(0.0, 2.0, 4.0, 6.0), (1.0, 3.0, 5.0, 7.0)]
-  np.testing.assert_allclose(aux, np.mean([[0, 2, 4, 6], [1, 3, 5, 7]], axis=0))
+  if schedule == "per_microbatch":
+    assert sorted(tuple(s) for s in seen) == [(0.0, 2.0, 4.0, 6.0), (1.0, 3.0, 5.0, 7.0)]
+    np.testing.assert_allclose(aux, np.mean([[0, 2, 4, 6], [1, 3, 5, 7]], axis=0))
+  else:
+    assert sorted(tuple(s) for s in seen) == [(0.0, 2.0), (1.0, 3.0), (4.0, 6.0), (5.0, 7.0)]
+    np.testing.assert_allclose(aux, np.mean([[0, 2], [4, 6], [1, 3], [5, 7]], axis=0))
 
 
-def test_rng_is_folded_per_microbatch():
+@pytest.mark.parametrize("schedule", ["per_microbatch", "once"])
+def test_rng_is_folded_per_microbatch(schedule):
   mesh, rules = _mesh(), partition.AxisRules(TABLES["dp"])
   params, batch = _problem(rows=8)
   k = 2
@@ -169,21 +176,27 @@ def test_rng_is_folded_per_microbatch():
 
   rng = jax.random.key(3)
   step = partition.value_and_grad(dropout_loss, batch_axes=BATCH_AXES, rules=rules,
-                                  mesh=mesh, microbatches=k, rng_argnums=2)
+                                  mesh=mesh, microbatches=k, rng_argnums=2,
+                                  grad_reduction=schedule)
   params = {n: params[n] for n in ("w1", "w2")}
   loss, grads = step(params, batch, rng)
-  # Reference: micro-batch j = rows j, j+k, ... of each device's block, key fold_in(rng, j).
+  # Reference: micro-batch j = rows j, j+k, ... of each device's block, key fold_in(rng, j);
+  # reducing once, device shard i of it gets fold_in(fold_in(rng, j), i).
   per_device = 8 // 2
-  micro = [np.concatenate([np.arange(d * per_device, (d + 1) * per_device)[j::k]
-                           for d in range(2)]) for j in range(k)]
+  block = lambda d, j: np.arange(d * per_device, (d + 1) * per_device)[j::k]
   rows = lambda m: jax.tree.map(lambda a: a[m], batch)
-  refs = [jax.value_and_grad(dropout_loss)(params, rows(m), jax.random.fold_in(rng, j))
-          for j, m in enumerate(micro)]
-  ref = jax.tree.map(lambda *xs: sum(xs) / k, *refs)
+  if schedule == "per_microbatch":
+    parts = [(np.concatenate([block(d, j) for d in range(2)]), jax.random.fold_in(rng, j))
+             for j in range(k)]
+  else:
+    parts = [(block(d, j), jax.random.fold_in(jax.random.fold_in(rng, j), d))
+             for j in range(k) for d in range(2)]
+  refs = [jax.value_and_grad(dropout_loss)(params, rows(m), key) for m, key in parts]
+  ref = jax.tree.map(lambda *xs: sum(xs) / len(parts), *refs)
   _assert_close((loss, grads), ref)
-  # and the masks really differ between micro-batches: not the same as one shared key
-  same = [jax.value_and_grad(dropout_loss)(params, rows(m), rng) for m in micro]
-  assert not np.allclose(loss, sum(s[0] for s in same) / k)
+  # and the masks really differ between the parts: not the same as one shared key
+  same = [jax.value_and_grad(dropout_loss)(params, rows(m), rng) for m, _ in parts]
+  assert not np.allclose(loss, sum(s[0] for s in same) / len(parts))
 
 
 def test_flax_linen_model_with_logical_constraints():
@@ -315,3 +328,10 @@ def test_model_with_hard_coded_sharding_constraint():
   step = partition.value_and_grad(loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
                                   rules=rules, mesh=mesh, microbatches=2)
   _assert_close(step(params, batch), jax.value_and_grad(loss)(params, batch))
+  # reducing once runs the loss per device shard, where 'data' holds the shards: an error
+  once = partition.value_and_grad(loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
+                                  rules=rules, mesh=mesh, microbatches=2,
+                                  grad_reduction="once")
+  with pytest.raises(partition.GradSpecError, match=r"(?s)constrains an array to the batch's "
+                     r"mesh axes \('data',\).*grad_reduction='per_microbatch'"):
+    once(params, batch)
