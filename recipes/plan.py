@@ -230,16 +230,21 @@ def compile_step(config) -> dict[str, Any]:
                           generated_code=int(stats.generated_code_size_in_bytes))
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  groups: dict[str, float] = {}
-  collectives = partition.collective_stats(compiled, run.mesh)
-  for op in collectives.ops:
+  groups: dict[str, float] | None = {}
+  try:
+    collectives = partition.collective_stats(compiled, run.mesh)
+    kinds, note = collectives.as_dict(), ""
+  except PartitionError as e:   # an HLO spelling the parser does not read: keep the rest
+    collectives, kinds, groups, note = None, None, None, str(e).splitlines()[0]
+  for op in collectives.ops if collectives else ():
     if op.axes == ():
       continue
     key = "?" if op.axes is None else ",".join(op.axes)
     groups[key] = groups.get(key, 0.0) + op.bytes
   return {"memory": memory.to_dict(), "flops": float(cost.get("flops", 0.0)),
           "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-          "collective_bytes": groups, "collectives": collectives.as_dict(), "compile_s": time.perf_counter() - start}
+          "collective_bytes": groups, "collectives": kinds, "collectives_error": note,
+          "compile_s": time.perf_counter() - start}
 
 
 def _worker(path: str) -> int:
@@ -340,7 +345,9 @@ def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip
   share = lambda part: {p: part[p] / max(sum(part.values()), 1e-30) for p in part}
   f_share = share(est.flops)
   comm_s = {p: {} for p in roofline.PHASES}
-  for key, wire in compiled["collective_bytes"].items():
+  if compiled["collective_bytes"] is None:   # unreadable HLO collectives: the estimate's
+    comm_s = est.comm_s
+  for key, wire in (compiled["collective_bytes"] or {}).items():
     axes = tuple(key.split(",")) if key != "?" else tuple(a for a, v in mesh.items() if v > 1)
     per_phase = {p: est.comm_phase[p].get(key, 0.0) for p in roofline.PHASES}
     split = share(per_phase) if sum(per_phase.values()) > 0 else {"forward": 0.0,
@@ -444,7 +451,8 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
   chosen = []
   if compile_top > 0 and devices <= MAX_COMPILE_DEVICES:
     chosen = [r.candidate for r in rank(list(results.values()))
-              if r.fits and keys[r.candidate] not in cache.data][:compile_top]
+              if r.fits and "error" in cache.data.get(keys[r.candidate], {"error": 1})
+              ][:compile_top]
   if chosen:
     with _progress(progress) as bar:
       task = bar.add_task(f"compiling for {devices} CPU devices", total=len(chosen))
