@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -124,13 +123,9 @@ def candidates(config, params, presets: Sequence[str], devices: int,
                remats: Sequence[str], max_microbatches: int) -> tuple[list[Candidate], dict]:
   """Distinct candidates (two plans whose every spec matches after dropping size-1 axes
   are one), and per preset why none was kept (``{}`` if some were)."""
-  from recipes.config import preset_path
-  import partition
   out, seen, empty = [], set(), {}
   for preset in presets:
-    rules = partition.AxisRules.from_file(preset_path(preset))
-    if config.rules:
-      rules = rules.override(*config.rules)
+    rules = _rules(config, preset)
     axes = plan_model.mesh_axes_of(rules)
     kept = valid = 0
     for sizes in factorisations(devices, len(axes)):
@@ -423,8 +418,9 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
     if p not in all_presets:
       import difflib
       close = difflib.get_close_matches(p, all_presets, n=1)
-      raise PlanError(f"--preset {p!r} is not a preset.{f' Did you mean {close[0]!r}?' if close else ''}"
-                      f" Presets: {', '.join(all_presets)}.")
+      hint = f" Did you mean {close[0]!r}?" if close else ""
+      raise PlanError(f"--preset {p!r} is not a preset.{hint} Presets: "
+                      f"{', '.join(all_presets)}.")
   params = model_params(config)
   cands, skipped = candidates(config, params, presets, devices, remats, max_microbatches)
   if not cands:
@@ -492,8 +488,7 @@ class _Quiet:
 def _progress(enabled: bool):
   if not enabled:
     return _Quiet()
-  from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                             TimeElapsedColumn)
+  from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
   return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=True)
 
@@ -616,7 +611,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--max-microbatches", type=int, default=8, metavar="K")
   parser.add_argument("--compile", type=int, default=4, metavar="K", dest="compile_top",
                       help="compile the best K plans that fit the screen (default 4; 0: "
-                           "analytic only; never above %d devices)" % MAX_COMPILE_DEVICES)
+                           f"analytic only; never above {MAX_COMPILE_DEVICES} devices)")
   parser.add_argument("--top", type=int, default=15, metavar="K", help="rows to show")
   parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
   parser.add_argument("--out", default=DEFAULT_OUT,

@@ -248,6 +248,6 @@ def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: fl
 
 
 def _itemsize(dtype) -> int:
-  import numpy as np
   import jax.numpy as jnp
+  import numpy as np
   return int(np.dtype(jnp.dtype(dtype)).itemsize)

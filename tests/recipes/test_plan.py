@@ -221,10 +221,11 @@ p = explain.plan(cfg)
 run, state = explain.abstract_run(cfg)
 shape = (cfg.batch_size, cfg.seq_len)
 dt = {{'inputs': np.int32, 'targets': np.int32, 'mask': np.float32}}
-batch = {{k: jax.ShapeDtypeStruct(shape, dt[k], sharding=s) for k, s in run.batch_shardings.items()}}
+batch = {{k: jax.ShapeDtypeStruct(shape, dt[k], sharding=s)
+         for k, s in run.batch_shardings.items()}}
 stats = partition.collective_stats(run.train_step.lower(state, batch).compile(), run.mesh)
-print(json.dumps({{'peak': p.memory.peak, 'table': {{','.join(a): v['bytes'] for (k, a), v in
-                  stats.table().items() if a}}}}))
+print(json.dumps({{'peak': p.memory.peak, 'table': [[','.join(a), v['bytes']] for (k, a), v in
+                  stats.table().items() if a]}}))
 """
 
 
@@ -237,8 +238,9 @@ def _independent(cfg_path, n):
 
 
 def _by_group(table):
+  """``[[axes, bytes], ...]`` (one row per collective kind and axes) summed per axes."""
   groups = {}
-  for key, v in table.items():
+  for key, v in table:
     groups[key] = groups.get(key, 0.0) + v
   return groups
 
