@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -86,6 +87,13 @@ class Result:
   fits: bool
 
   @property
+  def comm_bytes(self) -> dict[str, float]:
+    """Ring bytes sent per device per step, per mesh-axis group (compiled if available)."""
+    if self.compiled and self.compiled.get("collective_bytes") is not None:
+      return self.compiled["collective_bytes"]
+    return self.estimate.comm_bytes
+
+  @property
   def source(self) -> str:
     return "compiled" if self.compiled else "analytic"
 
@@ -93,7 +101,8 @@ class Result:
     c = self.candidate
     return {"preset": c.preset, "mesh": c.mesh_dict, "microbatches": c.microbatches,
             "remat": c.remat, "source": self.source, "fits": self.fits,
-            "memory_per_device": self.memory, "step_s": self.time.step_s,
+            "memory_per_device": self.memory, "collective_bytes": self.comm_bytes,
+            "step_s": self.time.step_s,
             "bound": self.time.bound, "bound_axes": self.time.bound_axes,
             "mfu": self.time.mfu, "roofline": self.time.to_dict(),
             "estimate": dataclasses.asdict(self.estimate), "compiled": self.compiled}
@@ -289,14 +298,28 @@ def compile_many(configs: dict[str, Any], devices: int, on_done=None) -> dict[st
   return results
 
 
+@functools.cache
+def code_version() -> str:
+  """A hash of the code the compiled step is made of (``partition``, ``layers``, the
+  train step and the presets), so a cached result never outlives a change to it."""
+  root = pathlib.Path(__file__).resolve().parent.parent
+  files = sorted([*root.glob("partition/**/*.py"), *root.glob("layers/**/*.py"),
+                  *root.glob("recipes/presets/*.yaml"),
+                  *(root / "recipes" / f for f in ("train.py", "model.py", "explain.py"))])
+  digest = hashlib.sha256()
+  for f in files:
+    digest.update(f.read_bytes())
+  return digest.hexdigest()[:12]
+
+
 def cache_key(config, devices: int) -> str:
   """The cache key of a compiled plan: everything the compiled step depends on."""
   import jax
   d = config.to_dict()
   relevant = {k: d[k] for k in ("framework", "preset", "rules", "mesh", "microbatches",
                                 "batch_size", "seq_len", "model", "optimizer")}
-  text = json.dumps({"config": relevant, "devices": devices, "jax": jax.__version__},
-                    sort_keys=True, default=str)
+  text = json.dumps({"config": relevant, "devices": devices, "jax": jax.__version__,
+                     "code": code_version()}, sort_keys=True, default=str)
   return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
@@ -513,11 +536,11 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
   """The ranked rich table (the first ``top`` plans) and a one-line summary."""
   from rich.console import Console
   from rich.table import Table
-  console = Console(file=out, width=170)
+  console = Console(file=out, width=200)
   table = Table(title=f"plans for {devices} x {chip.name} ({hosts} host domain"
                       f"{'s' if hosts > 1 else ''}), best first")
   for name in ("#", "preset", "mesh", "k", "remat", "memory/device", "fits", "step time",
-               "bound", "MFU", "figures"):
+               "bound", "MFU", "collectives/device", "figures"):
     table.add_column(name, justify="right" if name in ("#", "k", "memory/device",
                                                        "step time", "MFU") else "left")
   for i, r in enumerate(found.results[:top], 1):
@@ -528,7 +551,9 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
     if bound == "communication":
       bound = f"[yellow]communication ({r.time.bound_axes})[/yellow]"
     table.add_row(str(i), c.preset, mesh, str(c.microbatches), c.remat, _human(r.memory),
-                  fits, _seconds(r.time.step_s), bound, f"{100 * r.time.mfu:.1f}%", r.source)
+                  fits, _seconds(r.time.step_s), bound, f"{100 * r.time.mfu:.1f}%",
+                  ", ".join(f"{k} {_human(v)}" for k, v in r.comm_bytes.items()) or "-",
+                  r.source)
   console.print(table)
   console.print(f"{found.num_candidates} distinct candidates screened, "
                 f"{found.num_compiled} compiled now, {found.num_cached} from the cache, "
