@@ -395,6 +395,8 @@ class Search:
   num_cached: int
   seconds: float
   skipped: dict[str, str]
+  hosts: int
+  failed: dict[str, str]      # plan label -> why its compile failed (shown with its estimate)
 
 
 def search(config, *, devices: int, chip, hosts: int | None = None,
@@ -483,8 +485,10 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
     got = cache.data.get(keys[c])
     if got and "error" not in got:
       results[c] = evaluate(c, estimates[c], got, chip, devices, hosts)
+  failed = {c.label(): cache.data[keys[c]]["error"].splitlines()[0] for c in chosen
+            if "error" in cache.data.get(keys[c], {})}
   return Search(rank(list(results.values())), len(cands), len(chosen), len(cached),
-                time.perf_counter() - start, skipped)
+                time.perf_counter() - start, skipped, hosts, failed)
 
 
 def _rules(config, preset: str):
@@ -562,6 +566,9 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
                 highlight=False)
   for preset, why in found.skipped.items():
     console.print(f"note: preset {preset}: {why}", highlight=False)
+  for label, why in found.failed.items():
+    console.print(f"[yellow]warning:[/yellow] compiling {label} failed ({why}); its row "
+                  "shows the estimate", highlight=False)
 
 
 def pareto(results: Sequence[Result]) -> list[Result]:
@@ -683,7 +690,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except (TrainConfigError, PartitionError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
-  hosts = args.hosts or max(1, math.ceil(args.devices / chip.domain_chips))
+  hosts = found.hosts
   out = pathlib.Path(args.out)
   best = found.results[0]
   if best.fits:
@@ -703,6 +710,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "hosts": hosts, "candidates": found.num_candidates,
                       "compiled": found.num_compiled, "cached": found.num_cached,
                       "seconds": found.seconds, "config": str(out) if best.fits else None,
+                      "compile_failures": found.failed,
                       "plans": [r.to_dict() for r in found.results[:args.top]]}, indent=1))
   else:
     render(found, chip, args.devices, hosts, args.top)
