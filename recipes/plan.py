@@ -349,11 +349,12 @@ class Cache:
 
 def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip,
              devices: int, hosts: int) -> Result:
-  """The roofline of a candidate from its compiled figures where it has them (the FLOPs and
-  each axis group's collective bytes, split over the phases as the estimate splits them),
-  else from the estimate. HBM traffic is always the estimate's: the CPU compiler's
-  ``bytes accessed`` (kept in the JSON) counts what XLA:CPU's fusions touch, not what an
-  accelerator's would."""
+  """The roofline of a candidate from its compiled figures where it has them (peak memory,
+  and each axis group's collective bytes split over the phases as the estimate splits
+  them), else from the estimate. FLOPs and HBM traffic are always the estimate's, the
+  compiled ones are kept in the JSON: ``cost_analysis`` counts a while-loop body once
+  (scanned layers, the micro-batch loop), and XLA:CPU's ``bytes accessed`` follows its own
+  fusions, not an accelerator's."""
   if not compiled:
     t = roofline.step_time(flops=est.flops, hbm_bytes=est.hbm_bytes, comm_s=est.comm_s,
                            chip=chip, model_flops=est.model_flops, devices=devices)
@@ -361,7 +362,6 @@ def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip
   mesh = c.mesh_dict
   links = roofline.axis_links(mesh, chip, hosts)
   share = lambda part: {p: part[p] / max(sum(part.values()), 1e-30) for p in part}
-  f_share = share(est.flops)
   comm_s = {p: {} for p in roofline.PHASES}
   if compiled["collective_bytes"] is None:   # unreadable HLO collectives: the estimate's
     comm_s = est.comm_s
@@ -373,7 +373,7 @@ def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip
     for p in roofline.PHASES:
       comm_s[p][key] = roofline.wire_seconds(axes, wire * split[p], mesh, links)
   t = roofline.step_time(
-      flops={p: compiled["flops"] * f_share[p] for p in roofline.PHASES},
+      flops=est.flops,  # cost_analysis counts a while-loop body once (scanned layers, k > 1)
       hbm_bytes=est.hbm_bytes,  # XLA:CPU's "bytes accessed" follows CPU fusion, not an HBM's
       comm_s=comm_s, chip=chip, model_flops=est.model_flops, devices=devices)
   peak = compiled["memory"]["peak"]
