@@ -1,0 +1,176 @@
+"""Step time of a sharded train step on a chip: a roofline over compute, HBM and the network.
+
+The planner measures memory, FLOPs and collective bytes by compiling (or, for machines too
+big to compile for here, estimates them, see :mod:`recipes.plan`); only the *time* is a model:
+
+* a step is a forward phase and a backward phase (which also holds the optimizer update);
+  FLOPs and HBM bytes split between them in proportion to their FLOPs (1 : 2, or 1 : 3 with
+  full rematerialisation, which reruns the forward inside the backward);
+* **overlap assumption**: inside a phase, compute, HBM traffic and the collectives of that
+  phase overlap perfectly, so the phase takes the longest of the three; a collective cannot
+  overlap the other phase (the gradient reduction only exists once the backward computes it,
+  an FSDP all-gather of the forward is needed before the forward's matmuls). This is the
+  Scaling Book's accounting ("Training at scale": data parallelism is compute-bound when the
+  backward's matmuls outlast the gradient all-reduce, i.e. tokens per chip > C / W_ici);
+* collectives on different mesh-axis groups run one after another within a phase (their
+  times add); a collective over several axes uses all of their links at once (bandwidths
+  add: the book's ``n_axes``); an axis that spans hosts (``--hosts``) runs at DCN speed, and
+  a collective over ICI and DCN axes is hierarchical (ICI first, then DCN on 1/n_ICI of it).
+
+Ring collectives: per device and per call, an all-reduce of ``S`` bytes over ``n`` devices
+sends ``2 S (n-1)/n``, an all-gather or reduce-scatter (``S`` = the full array) ``S (n-1)/n``.
+
+>>> round(wire_bytes('all-reduce', 800, 8))
+1400
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+from recipes.chips import Chip
+
+PHASES = ("forward", "backward")
+
+
+def wire_bytes(kind: str, full_bytes: float, n: int) -> float:
+  """Bytes one device sends in a ring ``kind`` over ``n`` devices of a ``full_bytes`` array
+  (for all-reduce: the array every device holds; gather/scatter: the full, unsharded one)."""
+  if n <= 1:
+    return 0.0
+  frac = (n - 1) / n
+  return 2 * full_bytes * frac if kind == "all-reduce" else full_bytes * frac
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisLink:
+  """The bandwidth one device has along one mesh axis."""
+
+  bandwidth: float   # bytes/s one device sends along the axis
+  dcn: bool          # the axis spans hosts / slices (data-centre network)
+
+
+def axis_links(mesh: Mapping[str, int], chip: Chip, hosts: int = 1) -> dict[str, AxisLink]:
+  """Per mesh axis: its bandwidth on ``chip`` when the machine is ``hosts`` high-bandwidth
+  domains (TPU slices, GPU nodes) of ``N / hosts`` chips.
+
+  The outermost axes (mesh order) span the hosts: an axis whose devices sit in different
+  domains runs at DCN speed. Inside a domain the torus dimensions are shared out: every ICI
+  axis of size > 1 gets one, and the rest go to the largest axes (so pure FSDP on a 3-D
+  v5p slice gets 3 links, FSDP + TP gets 2 + 1, as the Scaling Book assumes).
+
+  >>> from recipes.chips import get_chip
+  >>> links = axis_links({'data': 2, 'fsdp': 64, 'tensor': 4}, get_chip('v5p'), hosts=2)
+  >>> links['data'].dcn, links['fsdp'].bandwidth / 1.8e11, links['tensor'].bandwidth / 1.8e11
+  (True, 2.0, 1.0)
+  """
+  links: dict[str, AxisLink] = {}
+  span = max(1, hosts)
+  ici = []
+  for name, size in mesh.items():
+    if span > 1 and size > 1:
+      links[name] = AxisLink(chip.dcn_bandwidth, True)
+      span = max(1, span // size)
+    else:
+      ici.append(name)
+  busy = sorted((a for a in ici if mesh[a] > 1), key=lambda a: -mesh[a])
+  dims = dict.fromkeys(ici, 1)
+  for i in range(max(0, chip.torus_dims - len(busy))):
+    if busy:
+      dims[busy[i % len(busy)]] += 1
+  for name in ici:
+    links[name] = AxisLink(chip.ici_bandwidth * dims[name], False)
+  return links
+
+
+def collective_seconds(axes: tuple[str, ...], kind: str, full_bytes: float,
+                       mesh: Mapping[str, int], links: Mapping[str, AxisLink]) -> float:
+  """Seconds for one ``kind`` collective of ``full_bytes`` over the mesh axes ``axes``."""
+  ici = [a for a in axes if not links[a].dcn]
+  dcn = [a for a in axes if links[a].dcn]
+  n_ici = math.prod(mesh[a] for a in ici)
+  n_dcn = math.prod(mesh[a] for a in dcn)
+  t = 0.0
+  if n_ici > 1:
+    t += wire_bytes(kind, full_bytes, n_ici) / sum(links[a].bandwidth for a in ici)
+  if n_dcn > 1:
+    t += wire_bytes(kind, full_bytes / n_ici, n_dcn) / min(links[a].bandwidth for a in dcn)
+  return t
+
+
+def wire_seconds(axes: tuple[str, ...], wire: float, mesh: Mapping[str, int],
+                 links: Mapping[str, AxisLink]) -> float:
+  """Seconds to send ``wire`` bytes (already ring bytes per device) over the group ``axes``;
+  for measured bytes, whose array size is not kept: the slowest link kind of the group
+  bounds it (a DCN axis in the group: DCN bandwidth)."""
+  if not axes or wire <= 0:
+    return 0.0
+  dcn = [links[a].bandwidth for a in axes if links[a].dcn]
+  return wire / (min(dcn) if dcn else sum(links[a].bandwidth for a in axes))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTime:
+  """The roofline of one step.
+
+  Attributes:
+    compute_s, memory_s, comm_s: per phase (``forward``, ``backward``) seconds.
+    comm_by_axes: per phase, per mesh-axis group (``'data,fsdp'``), seconds.
+    step_s: sum over phases of the phase's longest term.
+    bound: ``'compute'``, ``'memory'`` or ``'communication'``: what limits the phase that
+      is not compute-bound (communication wins when any phase is communication-bound).
+    bound_axes: for communication, the axis group taking longest in the worst phase.
+    mfu: model FLOPs / (devices x peak x step time).
+  """
+
+  compute_s: dict[str, float]
+  memory_s: dict[str, float]
+  comm_s: dict[str, float]
+  comm_by_axes: dict[str, dict[str, float]]
+  step_s: float
+  bound: str
+  bound_axes: str
+  mfu: float
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
+              comm_s: Mapping[str, Mapping[str, float]], chip: Chip, model_flops: float,
+              devices: int) -> StepTime:
+  """The roofline step time from per-device, per-phase figures.
+
+  Args:
+    flops: per phase, FLOPs one device executes.
+    hbm_bytes: per phase, HBM bytes one device reads and writes.
+    comm_s: per phase, per axis group, collective seconds (:func:`collective_seconds`).
+    chip: the chip.
+    model_flops: the step's useful FLOPs over all devices (``6 P tokens`` + attention),
+      without rematerialisation, for MFU.
+    devices: number of chips.
+
+  >>> from recipes.chips import get_chip
+  >>> t = step_time(flops={'forward': 1e12, 'backward': 2e12},
+  ...               hbm_bytes={'forward': 0, 'backward': 0},
+  ...               comm_s={'forward': {}, 'backward': {'data': 0.01}},
+  ...               chip=get_chip('v5p'), model_flops=3e12 * 4, devices=4)
+  >>> t.bound, t.bound_axes, round(t.step_s * 1e3, 3)   # 2.179 ms + 10 ms
+  ('communication', 'data', 12.179)
+  """
+  compute = {p: flops.get(p, 0.0) / chip.bf16_flops for p in PHASES}
+  memory = {p: hbm_bytes.get(p, 0.0) / chip.hbm_bandwidth for p in PHASES}
+  by_axes = {p: {k: float(v) for k, v in comm_s.get(p, {}).items() if v > 0} for p in PHASES}
+  comm = {p: sum(by_axes[p].values()) for p in PHASES}
+  step = sum(max(compute[p], memory[p], comm[p]) for p in PHASES)
+  bound, axes, worst = "compute", "", 0.0
+  for p in PHASES:
+    if comm[p] > max(compute[p], memory[p]) and comm[p] - compute[p] > worst:
+      worst = comm[p] - compute[p]
+      bound, axes = "communication", max(by_axes[p], key=by_axes[p].get)
+  if bound == "compute" and any(memory[p] > compute[p] for p in PHASES):
+    bound = "memory"
+  mfu = model_flops / (devices * chip.bf16_flops * step) if step > 0 else 0.0
+  return StepTime(compute, memory, comm, by_axes, step, bound, axes, mfu)

@@ -1,0 +1,282 @@
+"""``python -m recipes.plan``: roofline terms against hand-computed figures for one layer, the
+Scaling Book's critical batch sizes on either side of each threshold, CLI errors, and (slow)
+the compiled figures a search reports against an independent compile of the same plan at
+N = 8 (in this process) and N = 16 (in a subprocess), and the written config training.
+"""
+
+import io
+import json
+import math
+import subprocess
+import sys
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+
+import pytest
+
+import layers
+import partition
+from recipes import chips, plan, plan_model, roofline, train
+from recipes.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
+        "seq_len=8", "model.vocab_size=16"]
+
+
+def _config(*overrides):
+  return load_config(train.default_config_path(), TINY + list(overrides))
+
+
+def _rules(preset):
+  from recipes.config import preset_path
+  return partition.AxisRules.from_file(preset_path(preset))
+
+
+# -- roofline terms, by hand -----------------------------------------------------------------
+
+
+def test_wire_bytes_are_the_ring_formulas():
+  assert roofline.wire_bytes("all-reduce", 1000, 4) == 2 * 1000 * 3 / 4
+  assert roofline.wire_bytes("all-gather", 1000, 4) == 1000 * 3 / 4
+  assert roofline.wire_bytes("reduce-scatter", 1000, 4) == 1000 * 3 / 4
+  assert roofline.wire_bytes("all-reduce", 1000, 1) == 0.0
+
+
+def _mlp_layer(d, f, itemsize=2):
+  """One MLP layer W_in[D, F], W_out[F, D] (the Scaling Book's model of a layer)."""
+  return [plan_model.ParamShape("w_in", (d, f), itemsize, ("embed", "mlp")),
+          plan_model.ParamShape("w_out", (f, d), itemsize, ("mlp", "embed"))]
+
+
+def _mlp_model(d, f):
+  # one head of size 2 and seq_len 2: attention FLOPs (4 s H d_head per token) are 16 per
+  # token, against 4 D F for the matmuls.
+  return layers.TransformerConfig(vocab_size=16, embed_dim=d, mlp_dim=f, num_heads=1,
+                                  num_kv_heads=1, head_dim=2, num_layers=1, max_len=2,
+                                  dtype="bfloat16", param_dtype="bfloat16")
+
+
+def test_one_layer_data_parallel_terms_by_hand():
+  d, f, n, tokens = 1024, 4096, 16, 16 * 4096
+  chip = chips.get_chip("v5p")
+  est = plan_model.estimate(_mlp_layer(d, f), _mlp_model(d, f), _rules("data_parallel"),
+                            {"data": n}, batch=tokens // 2, seq_len=2, microbatches=1,
+                            remat="none", chip=chip)
+  # FLOPs per device: forward 2 * (2 D F) per token + attention 4 * s * H * d_head = 16.
+  fwd = (2 * 2 * d * f + 16) * tokens / n
+  assert est.flops == {"forward": fwd, "backward": 2 * fwd}
+  # gradients (bf16, 2 D F elements) all-reduced once over 'data', in the backward
+  grad = 2 * d * f * 2
+  assert est.comm_phase == {"forward": {}, "backward": {"data": 2 * grad * (n - 1) / n}}
+  # one axis of a 3-D torus used by one mesh axis: all three links (book: n_axes = 3)
+  assert est.comm_s["backward"]["data"] == pytest.approx(2 * grad * (n - 1) / n / (3 * 1.8e11))
+  # state: params + two Adam moments + gradients, all replicated
+  assert est.memory["params"] == grad and est.memory["optimizer"] == 2 * grad
+  t = roofline.step_time(flops=est.flops, hbm_bytes={"forward": 0, "backward": 0},
+                         comm_s=est.comm_s, chip=chip, model_flops=est.model_flops, devices=n)
+  assert t.compute_s["backward"] == pytest.approx(2 * fwd / 4.59e14)
+  assert t.step_s == pytest.approx(fwd / 4.59e14 + max(2 * fwd / 4.59e14,
+                                                       est.comm_s["backward"]["data"]))
+  assert t.mfu == pytest.approx(3 * fwd * n / (n * 4.59e14 * t.step_s))
+
+
+def test_one_layer_fsdp_and_tensor_terms_by_hand():
+  d, f, tokens = 512, 2048, 4 * 1024
+  chip = chips.get_chip("v5e")
+  mesh = {"data": 1, "fsdp": 4, "tensor": 2}
+  est = plan_model.estimate(_mlp_layer(d, f), _mlp_model(d, f), _rules("fsdp_tp"), mesh,
+                            batch=tokens // 2, seq_len=2, microbatches=2, remat="none",
+                            chip=chip)
+  shard = 2 * d * f * 2 / 2          # a weight's bf16 bytes on one tensor shard, gathered
+  gather = shard * 3 / 4             # both weights, ring all-gather over fsdp=4
+  per_device_tokens = tokens / 4 / 2  # batch over fsdp, 2 micro-batches
+  tp = 2 * (per_device_tokens * d * 2) * 1 / 2   # all-reduce [T, D] bf16 over tensor=2
+  assert est.comm_phase["forward"] == pytest.approx({"fsdp": gather, "tensor": 2 * tp * 2})
+  assert est.comm_phase["backward"] == pytest.approx(
+      {"fsdp": gather + 2 * gather, "tensor": 2 * tp * 2})   # gather + 2 reduce-scatters
+  # v5e is a 2-D torus: fsdp (the larger axis) and tensor get one link each
+  links = roofline.axis_links(mesh, chip)
+  assert links["fsdp"].bandwidth == links["tensor"].bandwidth == 9e10
+  assert est.memory["params"] == 2 * d * f * 2 / 8
+
+
+@pytest.mark.parametrize("chip_name,preset,mesh_axes,critical", [
+    ("v5p", "data_parallel", ("data",), 4.59e14 / (3 * 1.8e11)),   # DP over a 3-D pod: ~850
+    ("v5p", "fsdp", ("data", "fsdp"), 4.59e14 / (3 * 1.8e11)),      # FSDP, 3 axes: ~850
+    ("v5e", "data_parallel", ("data",), 1.97e14 / (2 * 9e10)),      # 2-D torus
+])
+def test_communication_bound_either_side_of_the_scaling_book_threshold(
+    chip_name, preset, mesh_axes, critical):
+  """Below C / (n_axes W_ici) tokens per chip DP and FSDP are communication-bound, above it
+  compute-bound (large D, F so the (n-1)/n and attention terms are negligible)."""
+  d, f, n = 8192, 32768, 256
+  chip = chips.get_chip(chip_name)
+  mesh = dict.fromkeys(mesh_axes, 1)
+  mesh[mesh_axes[-1]] = n
+  for factor, bound in ((0.85, "communication"), (1.15, "compute")):
+    tokens = 2 * int(critical * factor / 2) * n   # whole rows of seq_len 2 per chip
+    est = plan_model.estimate(_mlp_layer(d, f), _mlp_model(d, f), _rules(preset), mesh,
+                              batch=tokens // 2, seq_len=2, microbatches=1, remat="none",
+                              chip=chip)
+    t = roofline.step_time(flops=est.flops, hbm_bytes={"forward": 0, "backward": 0},
+                           comm_s=est.comm_s, chip=chip, model_flops=est.model_flops,
+                           devices=n)
+    assert t.bound == bound, (factor, t)
+    if bound == "communication":
+      assert t.bound_axes == mesh_axes[-1]
+
+
+def test_one_axis_data_parallel_critical_batch_is_2550_on_v5p():
+  chip = chips.get_chip("v5p")
+  assert chip.bf16_flops / chip.ici_bandwidth == pytest.approx(2550, rel=1e-3)
+
+
+def test_dcn_axis_and_hierarchical_collective():
+  chip = chips.get_chip("v5p")
+  mesh = {"data": 2, "fsdp": 8}
+  links = roofline.axis_links(mesh, chip, hosts=2)
+  assert links["data"].dcn and links["data"].bandwidth == 2.5e10 / 4
+  t = roofline.collective_seconds(("data", "fsdp"), "all-reduce", 1600, mesh, links)
+  assert t == pytest.approx(2 * 1600 * 7 / 8 / (3 * 1.8e11) + 2 * 200 * 1 / 2 / (2.5e10 / 4))
+
+
+# -- candidates and CLI errors ---------------------------------------------------------------
+
+
+def test_factorisations_and_distinct_candidates():
+  assert sorted(plan.factorisations(8, 3)) == sorted(
+      t for t in __import__("itertools").product([1, 2, 4, 8], repeat=3) if math.prod(t) == 8)
+  cfg = _config()
+  params = plan.model_params(cfg)
+  cands, _ = plan.candidates(cfg, params, ["data_parallel", "fsdp"], 8, ["none"], 1)
+  # fsdp with fsdp=1 is data parallelism: kept once
+  assert [c.mesh for c in cands].count((("data", 8),)) == 1
+  assert (("data", 8), ("fsdp", 1)) not in [c.mesh for c in cands]
+
+
+def _cli(*argv):
+  out, err = io.StringIO(), io.StringIO()
+  with redirect_stdout(out), redirect_stderr(err):
+    code = plan.main(list(argv))
+  return code, out.getvalue(), err.getvalue()
+
+
+def test_unknown_chip_exits_2_with_did_you_mean(tmp_path):
+  code, _, err = _cli("--devices", "8", "--chip", "tpu-v5x", "--out", str(tmp_path / "b.yaml"))
+  assert code == 2
+  assert "--chip 'tpu-v5x' is not in the chip table. Did you mean 'tpu-v5" in err
+  assert "tpu-v5p" in err
+
+
+def test_devices_that_do_not_factor_the_batch_exit_2(tmp_path):
+  code, _, err = _cli("--devices", "7", "--chip", "v5e", "--preset", "fsdp", "--compile", "0",
+                      "--out", str(tmp_path / "b.yaml"), *TINY)
+  assert code == 2
+  assert "no plan for 7 devices: preset fsdp: no factorisation of 7 over its mesh axes " \
+         "('data', 'fsdp') splits batch_size=16" in err
+
+
+def test_unknown_preset_exits_2(tmp_path):
+  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--preset", "fdsp", "--compile", "0",
+                      "--out", str(tmp_path / "b.yaml"), *TINY)
+  assert code == 2 and "Did you mean 'fsdp'" in err
+
+
+def test_analytic_search_json_and_outputs(tmp_path):
+  out = tmp_path / "best.yaml"
+  code, text, _ = _cli("--devices", "8", "--chip", "h100", "--compile", "0", "--json",
+                       "--top", "3", "--out", str(out), "--cache", "", *TINY)
+  assert code == 0
+  doc = json.loads(text)
+  assert len(doc["plans"]) == 3 and doc["candidates"] > 3
+  steps = [p["step_s"] for p in doc["plans"]]
+  assert steps == sorted(steps) and all(p["fits"] for p in doc["plans"])
+  assert out.exists() and out.with_suffix(".png").exists()
+  best = load_config(out)
+  assert best.preset == doc["plans"][0]["preset"] and best.mesh == doc["plans"][0]["mesh"]
+
+
+# -- compiled figures against an independent compile (slow) ----------------------------------
+
+
+def _search_one(tmp_path, devices, preset="fsdp_tp"):
+  cfg = _config()
+  found = plan.search(cfg, devices=devices, chip=chips.get_chip("v5e"), presets=[preset],
+                      remats=["none"], max_microbatches=2, compile_top=1,
+                      cache=plan.Cache(tmp_path / "cache.json"))
+  top = next(r for r in found.results if r.compiled)
+  return plan.candidate_config(cfg, top.candidate), top
+
+
+COMPILE_SCRIPT = """
+import json, sys
+import jax
+jax.config.update('jax_num_cpu_devices', {n})
+import numpy as np, partition
+from recipes import explain
+from recipes.config import load_config
+cfg = load_config(sys.argv[1])
+p = explain.plan(cfg)
+run, state = explain.abstract_run(cfg)
+shape = (cfg.batch_size, cfg.seq_len)
+dt = {{'inputs': np.int32, 'targets': np.int32, 'mask': np.float32}}
+batch = {{k: jax.ShapeDtypeStruct(shape, dt[k], sharding=s)
+         for k, s in run.batch_shardings.items()}}
+stats = partition.collective_stats(run.train_step.lower(state, batch).compile(), run.mesh)
+print(json.dumps({{'peak': p.memory.peak, 'table': [[','.join(a), v['bytes']] for (k, a), v in
+                  stats.table().items() if a]}}))
+"""
+
+
+def _independent(cfg_path, n):
+  out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(n=n), str(cfg_path)],
+                       capture_output=True, text=True, cwd=REPO, timeout=600,
+                       env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert out.returncode == 0, out.stderr[-2000:]
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _by_group(table):
+  """``[[axes, bytes], ...]`` (one row per collective kind and axes) summed per axes."""
+  groups = {}
+  for key, v in table:
+    groups[key] = groups.get(key, 0.0) + v
+  return groups
+
+
+@pytest.mark.slow
+def test_compiled_plan_matches_an_independent_compile_at_8(tmp_path):
+  cfg, top = _search_one(tmp_path, 8)
+  p = __import__("recipes.explain", fromlist=["plan"]).plan(cfg)   # this process: 8 devices
+  assert top.memory == p.memory.peak == top.compiled["memory"]["peak"]
+  path = tmp_path / "c.yaml"
+  path.write_text(plan.config_yaml(cfg))
+  ref = _independent(path, 8)
+  assert ref["peak"] == top.memory
+  assert top.compiled["collective_bytes"] == pytest.approx(_by_group(ref["table"]))
+  assert sum(top.compiled["collective_bytes"].values()) > 0
+
+
+@pytest.mark.slow
+def test_compiled_plan_matches_an_independent_compile_at_16(tmp_path):
+  cfg, top = _search_one(tmp_path, 16)
+  assert math.prod(cfg.mesh.values()) == 16
+  path = tmp_path / "c.yaml"
+  path.write_text(plan.config_yaml(cfg))
+  ref = _independent(path, 16)
+  assert ref["peak"] == top.memory
+  assert top.compiled["collective_bytes"] == pytest.approx(_by_group(ref["table"]))
+
+
+@pytest.mark.slow
+def test_written_config_trains_unchanged(tmp_path):
+  out = tmp_path / "best.yaml"
+  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "1", "--out", str(out),
+                      "--cache", str(tmp_path / "cache.json"), "--preset", "fsdp_tp",
+                      "--remat", "none", *TINY, "steps=2", "eval_every=1",
+                      "checkpoint_every=0", "plot=false")
+  assert code == 0, err
+  assert train.main(["--config", str(out)]) == 0
+  summary = json.loads((Path(load_config(out).out_dir) / "summary.json").read_text())
+  assert summary["steps"] == 2 and summary["mesh"] == load_config(out).mesh
