@@ -80,7 +80,8 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
     batch_axes: logical axes of the batch: a pytree prefix of ``batch`` whose leaves are
       tuples of logical names, one per dim, e.g. ``{'tokens': ('batch', 'length')}``.
     param_axes: logical axes of the parameters (a matching tree of tuples, ``None`` for "as
-      the parameter is"), or a ``partition.PathRules`` table; default: read from the tree
+      the parameter is"), or a path table (``partition.PathRules`` or a list of ``(regex,
+      axes)`` pairs); default: read from the tree
       with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``).
     rules: an ``AxisRules`` (or pairs / a file path); default: the ``partition.axis_rules``
       context. ``None`` with no context: nothing is sharded (micro-batching still works).

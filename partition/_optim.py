@@ -89,7 +89,8 @@ def optimizer_axes(tx: Any, params: Any, *, param_axes: Any = None) -> Any:
   Args:
     tx: an optax ``GradientTransformation`` (chains, ``optax.masked`` included).
     params: the parameters (boxed, ``Annotated`` or plain arrays / ``ShapeDtypeStruct``s).
-    param_axes: default ``partition.logical_axes(params)``; or a :class:`partition.PathRules`;
+    param_axes: default ``partition.logical_axes(params)``; or a path table (a
+      :class:`partition.PathRules` or a list of ``(regex, axes)`` pairs, as in the adapters);
       or the parameters' logical-axes tree itself.
 
   Returns:
@@ -111,7 +112,8 @@ def optimizer_init(tx: Any, params: Any, *, param_axes: Any = None, rules: Any =
     tx: an optax ``GradientTransformation`` (chains, ``optax.masked`` included).
     params: the parameters: linen variables' ``params`` (boxed or not), an ``nnx.State``,
       Haiku params, ``Annotated`` boxes or plain arrays.
-    param_axes: default ``partition.logical_axes(params)``; or a :class:`partition.PathRules`;
+    param_axes: default ``partition.logical_axes(params)``; or a path table (a
+      :class:`partition.PathRules` or a list of ``(regex, axes)`` pairs, as in the adapters);
       or the parameters' logical-axes tree itself.
     rules: an ``AxisRules`` (or pairs / a file path); default: ``partition.axis_rules``.
     mesh: a ``jax.sharding.Mesh``; default: the ``axis_rules`` mesh, then ``jax.set_mesh``.
