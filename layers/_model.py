@@ -120,10 +120,56 @@ def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: A
   return out[0], aux
 
 
+def _body(p: Params, x: Array, config: TransformerConfig, tokens: Array,
+          valid: Array | None) -> tuple[Array, dict[str, Array]]:
+  """Embeddings -> final-normed hidden states (everything between lookup and logits)."""
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  x, aux = apply_blocks(p["blocks"], x, config, _core.decoder_mask(tokens, valid), positions)
+  return _core.rms_norm(x, p["final_norm"]["scale"], eps=config.norm_eps), aux
+
+
+def _tied_lm(config: TransformerConfig):
+  """``(table, rest, tokens, valid) -> (logits, aux)`` with the tied table's gradient as ONE
+  dot.
+
+  Plain autodiff gives the table two gradient terms, ``onehot(tokens)^T dx0`` (lookup) and
+  ``dlogits^T h`` (output projection): two dots over the batch, each reduced over the batch's
+  mesh axes by itself (two ``(vocab, embed)`` all-reduces / reduce-scatters). Here the
+  backward pass stacks both terms' operands on a new leading dim and contracts them in one
+  ``einsum``, so XLA reduces the table's gradient once. Same values up to float32 rounding.
+  """
+  def forward(table, rest, tokens, valid):
+    x0 = partition.constrain(_core.embed(tokens, table, dtype=config.dtype), _core.EMBED)
+    (h, aux), body_vjp = jax.vjp(lambda r, x: _body(r, x, config, tokens, valid), rest, x0)
+    logits = partition.constrain(_core.attend(h, table, dtype=config.dtype), _core.LOGITS)
+    return (logits, aux), (table, tokens, h, body_vjp)
+
+  def backward(residuals, cotangents):
+    table, tokens, h, body_vjp = residuals
+    dlogits, daux = cotangents
+    dtype = dlogits.dtype
+    dh = partition.constrain(jnp.einsum("blv,ve->ble", dlogits, table.astype(dtype)),
+                             _core.EMBED)
+    drest, dx0 = body_vjp((dh.astype(h.dtype), daux))
+    onehot = partition.constrain(jax.nn.one_hot(tokens, table.shape[0], dtype=dtype),
+                                 _core.LOGITS)
+    dtable = jnp.einsum("sblv,sble->ve", jnp.stack([onehot, dlogits]),
+                        jnp.stack([dx0.astype(dtype), h.astype(dtype)]))
+    return dtable.astype(table.dtype), drest, None, None
+
+  lm = jax.custom_vjp(lambda table, rest, tokens, valid: forward(table, rest, tokens,
+                                                                 valid)[0])
+  lm.defvjp(forward, backward)
+  return lm
+
+
 def transformer(p: Params, tokens: Array, config: TransformerConfig,
                 valid: Array | None = None, *, where: str = "layers.Transformer"
                 ) -> tuple[Array, dict[str, Array]]:
   """Decoder-only LM on a parameter tree (``layers._params.transformer_params``).
+
+  With ``config.tie_embeddings`` the table's gradient is formed as one dot (see
+  ``_tied_lm``; reverse-mode only: ``jax.jvp`` of a tied model is not supported).
 
   Args:
     p: ``embed``, ``blocks`` (see :func:`apply_blocks`), ``final_norm`` and, when
@@ -138,12 +184,12 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
   c = config
   check_tokens(tokens, c.max_len, where)
   table = p["embed"]["embedding"]
-  x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
-  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  x, aux = apply_blocks(p["blocks"], x, c, _core.decoder_mask(tokens, valid), positions)
-  x = _core.rms_norm(x, p["final_norm"]["scale"], eps=c.norm_eps)
+  rest = {k: v for k, v in p.items() if k != "embed"}
   if c.tie_embeddings:
-    logits = _core.attend(x, table, dtype=c.dtype)
+    logits, aux = _tied_lm(c)(table, rest, tokens, valid)
   else:
-    logits = _core.dense(x, p["lm_head"]["kernel"], dtype=c.dtype)
-  return partition.constrain(logits, _core.LOGITS), _core.merge_aux(aux)
+    x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
+    h, aux = _body(rest, x, c, tokens, valid)
+    logits = partition.constrain(_core.dense(h, p["lm_head"]["kernel"], dtype=c.dtype),
+                                 _core.LOGITS)
+  return logits, _core.merge_aux(aux)

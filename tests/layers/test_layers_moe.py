@@ -10,6 +10,11 @@ from layers import _moe
 B, L, D, M, E = 2, 8, 16, 24, 4
 
 
+def _fused(w):
+  """The weights as ``_moe.moe`` takes them: gate and up fused into ``wi (E, D, 2, M)``."""
+  return dict(router=w["router"], wi=jnp.stack([w["wi_gate"], w["wi_up"]], axis=2), wo=w["wo"])
+
+
 def _weights(seed=0):
   k = jax.random.split(jax.random.key(seed), 5)
   n = lambda key, *s: 0.3 * jax.random.normal(key, s)
@@ -67,7 +72,7 @@ def test_load_balance_loss_matches_switch_formula():
 @pytest.mark.parametrize("k", [1, 2])
 def test_moe_equals_dense_per_token_reference_when_nothing_is_dropped(k):
   w, x = _weights()
-  y, aux = _moe.moe(x, **w, k=k, capacity_factor=E / k)   # capacity == length: no drops
+  y, aux = _moe.moe(x, **_fused(w), k=k, capacity_factor=E / k)   # capacity == length: no drops
   assert int(aux["dropped_tokens"]) == 0
   xn = np.asarray(x, np.float64)
   wn = {n: np.asarray(v, np.float64) for n, v in w.items()}
@@ -85,7 +90,7 @@ def test_moe_equals_dense_per_token_reference_when_nothing_is_dropped(k):
 
 def test_dropped_tokens_get_no_expert_output():
   w, x = _weights(1)
-  y, aux = _moe.moe(x, **w, k=1, capacity_factor=0.25)    # 1 slot per expert per sequence
+  y, aux = _moe.moe(x, **_fused(w), k=1, capacity_factor=0.25)    # 1 slot per expert per sequence
   _, top, kept = _numpy_routing(np.asarray(x @ w["router"]), 1, 1)
   distinct = sum(len(set(top[b, :, 0])) for b in range(B))
   assert int(aux["dropped_tokens"]) == B * L - distinct

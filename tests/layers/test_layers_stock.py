@@ -140,13 +140,19 @@ def _attention(framework, heads, kv_heads, head_dim):
   return (*_run_nnx(module, X, mask), mask)
 
 
+def _unfused(p):
+  """Stock attention's separate query/key/value kernels from our fused ``qkv`` kernel."""
+  q, k, v = _core.split_qkv(p["qkv"]["kernel"])
+  return {"query": {"kernel": q}, "key": {"kernel": k}, "value": {"kernel": v},
+          "out": {"kernel": p["out"]["kernel"]}}
+
+
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
 def test_attention_equals_flax_multi_head_attention(framework):
   y, p, mask = _attention(framework, 4, 4, 8)
   stock = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, out_features=16,
                                           use_bias=False)
-  params = {k: {"kernel": p[k]["kernel"]} for k in ("query", "key", "value", "out")}
-  _close(y, stock.apply({"params": params}, X, X, mask=mask))
+  _close(y, stock.apply({"params": _unfused(p)}, X, X, mask=mask))
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
@@ -154,9 +160,9 @@ def test_gqa_equals_mha_with_repeated_kv_heads(framework):
   y, p, mask = _attention(framework, 4, 2, 8)
   # Query heads 0,1 share kv head 0; 2,3 share kv head 1: repeat kv kernels per group.
   rep = lambda k: jnp.repeat(k, 2, axis=1)
-  params = {"query": {"kernel": p["query"]["kernel"]}, "out": {"kernel": p["out"]["kernel"]},
-            "key": {"kernel": rep(p["key"]["kernel"])},
-            "value": {"kernel": rep(p["value"]["kernel"])}}
+  params = _unfused(p)
+  params["key"]["kernel"] = rep(params["key"]["kernel"])
+  params["value"]["kernel"] = rep(params["value"]["kernel"])
   stock = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, out_features=16,
                                           use_bias=False)
   _close(y, stock.apply({"params": params}, X, X, mask=mask))
@@ -194,7 +200,8 @@ def test_haiku_attention_equals_hk_multi_head_attention():
   mask = nn.make_causal_mask(jnp.ones((2, 8)))
   y, p = _run_haiku(lambda x, m: layers.haiku.Attention(4, 4, 8, use_rope=False,
                                                         name="a")(x, m), X, mask)
-  flat = lambda k: p[f"a/{k}"]["kernel"].reshape(16, 32)
+  unfused = _unfused({"qkv": p["a/qkv"], "out": p["a/out"]})
+  flat = lambda k: unfused[k]["kernel"].reshape(16, 32)
   zeros = lambda n: jnp.zeros((n,))
   params = {f"mha/{k}": {"w": flat(k), "b": zeros(32)} for k in ("query", "key", "value")}
   params["mha/linear"] = {"w": p["a/out"]["kernel"].reshape(32, 16), "b": zeros(16)}
@@ -212,7 +219,7 @@ def test_haiku_attention_equals_hk_multi_head_attention():
 def test_gated_mlp_equals_numpy(activation, act):
   w = _randomize({"g": jnp.zeros((16, 32)), "u": jnp.zeros((16, 32)),
                   "o": jnp.zeros((32, 16))})
-  y = _core.gated_mlp(X, w["g"], w["u"], w["o"], activation=activation)
+  y = _core.gated_mlp(X, jnp.stack([w["g"], w["u"]], axis=1), w["o"], activation=activation)
   x = np.asarray(X, np.float64)
   ref = (act(x @ np.asarray(w["g"])) * (x @ np.asarray(w["u"]))) @ np.asarray(w["o"])
   _close(y, ref)
