@@ -45,11 +45,12 @@ STRATEGIES = {
     "TP": ("tensor", [("mlp", "tensor")]),
 }
 MICRO_NOTE = (
-    "with k={k} micro-batches the gradients are reduced inside the loop, once per "
-    "micro-batch (k x the reduction bytes; the all-gathers are hoisted out), because the "
-    "loop carry holds gradients in the parameters' (sharded) layout; reducing once after "
-    "the loop would need an unreduced full-size carry per device; the hand-written scan "
-    "with the same carry sharding does the same")
+    "with k={k} micro-batches and every parameter sharded over the batch axis (FSDP), "
+    "grad_reduction='auto' keeps the per-micro-batch schedule: the loop carry holds each "
+    "gradient's 1/n shard, so every micro-batch's gradient is reduce-scattered (k x the "
+    "reduction bytes; the all-gathers are hoisted out of the loop); grad_reduction='once' "
+    "reduces once for a full-size carry per device (section 8, fsdp k=4 once); the "
+    "hand-written scan with the same carry sharding does the same as 'auto'")
 
 
 def loss(params, batch):

@@ -62,7 +62,6 @@ from jax.sharding import PartitionSpec as P
 import layers
 import layers.linen
 import partition
-import partition.flax
 from benchmarks.common import (
     BYTES_TARGET,
     MEMORY_TARGET,
@@ -73,7 +72,13 @@ from benchmarks.common import (
     log,
     memory,
 )
-from benchmarks.train_step import BATCH_AXES, PRESETS, cross_entropy, micro_scan
+from benchmarks.train_step import (
+    BATCH_AXES,
+    PRESETS,
+    cross_entropy,
+    micro_scan,
+    sharded_inputs,
+)
 
 NAME = "papers"
 TITLE = "8. communication and memory per step vs Megatron-LM / ZeRO / GShard"
@@ -273,15 +278,8 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
   tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (n, length + 1)), jnp.int32)
   tx = optax.adamw(1e-3)
   loss = cross_entropy(model)
-  variables = partition.flax.init_sharded(model, jax.random.key(0), tokens[:, :-1],
-                                          rules=rules, mesh=mesh)
-  axes = partition.logical_axes(variables)["params"]
-  params = nn.unbox(variables)["params"]
-  opt_state = partition.optimizer_init(tx, params, param_axes=axes, rules=rules, mesh=mesh)
-  batch_spec = rules.spec(BATCH_AXES, (n, length), mesh)
-  rows = NamedSharding(mesh, batch_spec)
-  batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, rows)
-  batch_mesh_axes = _names(tuple(batch_spec)[0] if len(batch_spec) else None)
+  params, axes, opt_state, batch, rows = sharded_inputs(model, tokens, tx, rules, mesh)
+  batch_mesh_axes = _names(tuple(rows.spec)[0] if len(rows.spec) else None)
   m = math.prod(mesh.shape[a] for a in batch_mesh_axes)
   label = preset + (f" k={k}" if k > 1 else "") + (
       f" {grad_reduction}" if grad_reduction != "auto" else "")

@@ -103,6 +103,19 @@ def micro_scan(loss, k: int, m: int, grad_shardings, row_sharding):
   return value_and_grad
 
 
+def sharded_inputs(model, tokens, tx, rules, mesh):
+  """Ours: ``(params, param axes, AdamW state, batch, the batch's sharding)``, params from
+  ``init_sharded``, the state from ``optimizer_init``, ``tokens[:, :-1]`` -> ``[:, 1:]``."""
+  variables = partition.flax.init_sharded(model, jax.random.key(0), tokens[:, :-1],
+                                          rules=rules, mesh=mesh)
+  axes = partition.logical_axes(variables)["params"]
+  params = nn.unbox(variables)["params"]
+  opt_state = partition.optimizer_init(tx, params, param_axes=axes, rules=rules, mesh=mesh)
+  rows = NamedSharding(mesh, rules.spec(BATCH_AXES, tokens[:, :-1].shape, mesh))
+  batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, rows)
+  return params, axes, opt_state, batch, rows
+
+
 def preset_pair(name: str, quick: bool, section: Section) -> Pair:
   rules = partition.AxisRules.from_file(PRESETS / f"{name}.yaml")
   mesh = auto_mesh(*MESHES[name])
@@ -114,14 +127,8 @@ def preset_pair(name: str, quick: bool, section: Section) -> Pair:
   tx = optax.adamw(1e-3)
   loss = cross_entropy(model)
 
-  variables = partition.flax.init_sharded(model, jax.random.key(0), tokens[:, :-1],
-                                          rules=rules, mesh=mesh)
-  axes = partition.logical_axes(variables)["params"]
-  params = nn.unbox(variables)["params"]
-  opt_state = partition.optimizer_init(tx, params, param_axes=axes, rules=rules, mesh=mesh)
-  batch_spec = rules.spec(BATCH_AXES, (n, length), mesh)
-  rows = NamedSharding(mesh, batch_spec)
-  batch = jax.device_put({"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}, rows)
+  params, axes, opt_state, batch, rows = sharded_inputs(model, tokens, tx, rules, mesh)
+  batch_spec = rows.spec
 
   # The flax way to the params' shardings, checked equal to ours.
   with partition.axis_rules(rules, mesh):

@@ -100,8 +100,25 @@ def reduce_once_step(loss_fn: Callable, has_aux: bool, params: Any, batch: Any,
   (value, grads), _ = jax.lax.scan(body, zero, (jnp.arange(k), micro))
   value = jax.tree.map(lambda v: jnp.mean(v, axis=0) / k, value)
   grads = _map_specs(lambda g, spec: _constrain_opt(
-      constrain, (g.sum(0) if once(spec) else g) / (k * m), spec), param_specs, grads)
+      constrain, (_sum_shards(g, spec, mesh_axes, mesh, constrain) if once(spec) else g)
+      / (k * m), spec), param_specs, grads)
   return value, grads
+
+
+def _sum_shards(g, spec, mesh_axes, mesh, constrain):
+  """Sums the device-shard dim of ``g`` (``[m, ...]``, ``m`` over ``mesh_axes``): over the
+  batch axes the parameter is sharded on first (a reduce-scatter onto its shards), then over
+  the others (an all-reduce of the shard), the ZeRO order; one sum when that is all."""
+  sharded = [a for a in mesh_axes if uses_axes(spec, (a,))]
+  if not sharded or len(sharded) == len(mesh_axes):
+    return g.sum(0)
+  ndim = g.ndim - 1
+  split = jnp.reshape(g, tuple(mesh.shape[a] for a in mesh_axes) + g.shape[1:])
+  split = constrain(split, PartitionSpec(*mesh_axes, *_without(spec, mesh_axes, ndim)))
+  rest = [a for a in mesh_axes if a not in sharded]
+  part = split.sum(tuple(i for i, a in enumerate(mesh_axes) if a in sharded))
+  part = constrain(part, PartitionSpec(*rest, *_entries(spec, ndim)))
+  return part.sum(tuple(range(len(rest))))
 
 
 def _map_specs(f, param_specs, grads):

@@ -150,3 +150,15 @@ def test_bad_grad_reduction_is_a_clear_error(bad):
     partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, grad_reduction=bad)
   with pytest.raises(ValueError):  # GradSpecError refines ValueError
     partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, grad_reduction=bad)
+
+
+def test_once_over_data_and_fsdp_reduce_scatters_then_all_reduces_the_shard():
+  """ZeRO's order: reduce-scatter over the axis the weight is sharded on ('fsdp'), then an
+  all-reduce of the shard over the other batch axis ('data'); never a full-size all-reduce
+  over both."""
+  stats, _ = _compiled_stats(FSDP_TP, "once")
+  weight = EMBED * MLP * 4 / 2  # w1, w2 after the tensor axis
+  assert stats.bytes("reduce-scatter", "fsdp") == pytest.approx(2 * weight / 2)
+  assert stats.bytes("all-reduce", "data") >= 2 * (2 * (weight / 2) / 2)
+  assert not [op for op in stats.select("all-reduce", ("data", "fsdp"))
+              if op.array_bytes >= weight / 2]
