@@ -204,13 +204,3 @@ class Pipeline:
     shape = (self.batch_size, self.source.seq_len)
     return {k: jax.make_array_from_callback(shape, s, functools.partial(rows, key=k))
             for k, s in self.shardings.items()}
-
-  def rows_read(self, step: int, split: str = "train") -> list[int]:
-    """The example indices this process reads for ``step`` (its devices' rows)."""
-    sharding = self.shardings["inputs"]
-    shape = (self.batch_size, self.source.seq_len)
-    first = step * self.batch_size
-    out: set[int] = set()
-    for index in sharding.addressable_devices_indices_map(shape).values():
-      out.update(range(first, first + self.batch_size)[index[0]])
-    return sorted(out)

@@ -9,6 +9,7 @@ reference with ``train.train`` while they work, then reads what they wrote.
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,11 +36,11 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_cluster(out_dir: Path) -> list[subprocess.Popen]:
+def _start_cluster(out_dir: Path, *extra: str) -> list[subprocess.Popen]:
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   env.pop("XLA_FLAGS", None)  # the children choose their own device count
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-  flags = TINY + [f"out_dir={out_dir}", "plot=true",
+  flags = TINY + list(extra) + [f"out_dir={out_dir}", "plot=true",
                   f"distributed.coordinator=127.0.0.1:{_free_port()}",
                   "distributed.num_processes=2", "distributed.local_devices=4"]
   return [subprocess.Popen([sys.executable, "-m", "recipes.train", *flags,
@@ -102,3 +103,25 @@ def test_two_processes_train_like_one(tmp_path):
     ckpt.close()
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                        rtol=1e-5, atol=1e-7), *restored)
+
+
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
+  """A scheduler signals one host: both processes stop after the same step (they agree after
+  every step), write that step's checkpoint together and exit 0."""
+  procs = _start_cluster(tmp_path / "mp", "steps=60", "eval_every=60", "log_every=1")
+  try:
+    for line in procs[0].stderr:  # process 0 logs a line per step (stderr is a pipe)
+      if line.startswith("step 3/"):
+        procs[1].send_signal(signal.SIGTERM)
+        break
+    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+  ckpt = checkpoint.Checkpointer(tmp_path / "mp" / "checkpoints")
+  step = ckpt.latest_step()
+  ckpt.close()
+  assert 3 <= step < 60
+  assert f"stopped by SIGTERM after step {step}" in outs[0][1]  # process 0 was not signalled
+  assert [r["step"] for r in _records(tmp_path / "mp")] == list(range(1, step + 1))
