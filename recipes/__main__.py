@@ -1,6 +1,6 @@
 """``python -m recipes``: the entry points, and ``python -m recipes COMMAND ...`` to run one.
 
-``python -m recipes`` lists ``train``, ``explain`` and ``export`` with one line each;
+``python -m recipes`` lists ``train``, ``explain``, ``export`` and ``plan`` with one line each;
 ``python -m recipes explain --devices 64 ...`` is ``python -m recipes.explain --devices 64 ...``.
 """
 
@@ -10,7 +10,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-COMMANDS = ("train", "explain", "export")
+COMMANDS = ("train", "explain", "export", "plan")
 
 
 def _summary(command: str) -> str:

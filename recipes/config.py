@@ -95,6 +95,7 @@ class TrainConfig:
   out_dir: str
   resume: bool
   plot: bool
+  init_from: str | None             # a Hugging Face checkpoint directory to fine-tune (docs/hf.md)
   model: layers.TransformerConfig
   optimizer: OptimizerConfig
   data: DataConfig
@@ -154,12 +155,30 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     except PartitionError:
       pass  # an unknown preset is reported when the rules are built
   config = _build(raw, problems)
+  if not problems and config.init_from:
+    config = _with_checkpoint_model(config, overrides, problems)
+  if not problems:
+    problems.extend(_semantic_problems(config))
   if problems:
     raise TrainConfigError(format_message(
         f"config{f' {path}' if path else ''}: {len(problems)} problem(s).", bullets=problems,
         fix="Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML "
             f"file. Valid keys: {', '.join(_valid_keys())}."))
   return config
+
+
+def _with_checkpoint_model(config: TrainConfig, overrides: Sequence[str],
+                           problems: list[str]) -> TrainConfig:
+  """The run with the model of its ``init_from`` checkpoint (the checkpoint's config.json),
+  checked against the command line's ``model.*`` overrides."""
+  from recipes import init_from
+  try:
+    model = init_from.resolve_model(config.init_from, config.model,
+                                    init_from.explicit_model_fields(overrides))
+  except PartitionError as e:
+    problems.append(f"init_from: {e}")
+    return config
+  return dataclasses.replace(config, model=model)
 
 
 def _merge(base: dict, update: dict) -> None:
@@ -246,9 +265,7 @@ def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig | None:
       kwargs.pop(name, None)
   if problems:
     return None
-  config = TrainConfig(**kwargs)
-  problems.extend(_semantic_problems(config))
-  return config
+  return TrainConfig(**kwargs)
 
 
 def _section_problems(section: str, error: Exception) -> list[str]:

@@ -122,8 +122,9 @@ def build_model(path: str | pathlib.Path, config: Any, *, rules: Any,
                         "recipes.init_from.resolve_model.")
   # The framework's params (and their shardings) to fill; their random values are dropped.
   model = model_lib.build(config.framework, config.model, seed=config.seed,
-                          example=model_lib.example_tokens(1, min(config.seq_len,
-                                                                  config.model.max_len)),
+                          example=model_lib.example_tokens(config.batch_size,
+                                                           min(config.seq_len,
+                                                               config.model.max_len)),
                           rules=rules, mesh=mesh)
   params = layers.from_canonical(weights, like=model.params)
   return dataclasses.replace(model, params=params)

@@ -219,10 +219,13 @@ class Run:
 
 
 def init_model(config: TrainConfig, rules, mesh):
-  """The model with its initial params, created in their shards: random init from
-  ``config.seed``. The one place where initial params are chosen (loading pretrained weights
-  goes here)."""
+  """The model with its initial params, created in their shards: the ``init_from``
+  checkpoint's weights (each device reads its own block), else random init from
+  ``config.seed``. The one place where initial params are chosen."""
   from recipes import model as model_lib
+  if config.init_from:
+    from recipes import init_from
+    return init_from.build_model(config.init_from, config, rules=rules, mesh=mesh)
   example = model_lib.example_tokens(config.batch_size, config.seq_len)
   return model_lib.build(config.framework, config.model, seed=config.seed, example=example,
                          rules=rules, mesh=mesh)

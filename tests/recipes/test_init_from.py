@@ -128,3 +128,38 @@ def test_missing_checkpoint(tmp_path):
   config = load_config(train.default_config_path())
   with pytest.raises(init_from.InitFromError, match="has no config.json"):
     init_from.resolve_model(tmp_path, config.model)
+
+
+@pytest.mark.slow
+def test_train_cli_init_from_then_export_to_hf_keeps_the_weights(tmp_path):
+  """``python -m recipes.train init_from=DIR`` with a zero learning rate, then
+  ``python -m recipes.export --to hf``: every tensor equals the checkpoint's (bit-exact), so
+  the run started from the checkpoint's weights, sharded (fsdp_tp on 8 devices), and the
+  export wrote them back in Hugging Face's layout."""
+  from safetensors.numpy import load_file
+
+  from recipes import export
+  run = tmp_path / "run"
+  rc = train.main([f"init_from={DATA / 'llama'}", "steps=2", "optimizer.learning_rate=0",
+                   "data.task=copy", "seq_len=12", "batch_size=8", "eval_every=100", "plot=false",
+                   f"out_dir={run}"])
+  assert rc == 0
+  assert export.main(["--checkpoint", str(run), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+  original = {}
+  for f in sorted((DATA / "llama").glob("*.safetensors")):
+    original.update(load_file(f))
+  written = {}
+  for f in sorted((tmp_path / "hf").glob("*.safetensors")):
+    written.update(load_file(f))
+  assert written.keys() == original.keys()
+  for name, value in original.items():
+    np.testing.assert_array_equal(written[name], value, err_msg=name)
+
+
+def test_train_cli_rejects_a_conflicting_model_override(tmp_path, capsys):
+  rc = train.main([f"init_from={DATA / 'llama'}", "model.num_layers=7", "steps=1",
+                   f"out_dir={tmp_path / 'run'}"])
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert "model.num_layers=7, but the checkpoint has num_layers=2" in err
+  assert "Drop these model.* overrides" in err
