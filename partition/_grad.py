@@ -109,8 +109,11 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
         (the full-size carry is their own size: free), per micro-batch for the ones sharded
         over them (FSDP), where once would cost ``N`` times the carry memory.
 
-      The results are the same up to float summation order. With ``k = 1``, no batch mesh
-      axes, or batch axes of type ``Explicit`` (``'auto'`` only), there is one schedule.
+      The results are the same up to float summation order. With ``k = 1`` or no batch
+      mesh axes there is one schedule; on ``Explicit`` batch axes ``'auto'`` is per
+      micro-batch and ``'once'`` a GradSpecError (it is built on ``Auto`` axes). Reducing
+      once runs the loss per device shard of each micro-batch (a mean over the batch, as
+      required above, averages the same; ``aux`` is averaged over the shards too).
 
   Returns:
     ``step(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -264,10 +267,16 @@ def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mes
       or rules is None or not isinstance(mesh, jax.sharding.Mesh)):
     return None
   axes = plan.mesh_axes
+  types = dict(zip(mesh.axis_names, mesh.axis_types))
+  explicit = [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
+  if explicit and config.grad_reduction == "once":
+    raise GradSpecError(
+        f"value_and_grad(grad_reduction='once'): the batch's mesh axes {explicit} are "
+        "Explicit; reducing once is built on Auto axes. Use a mesh with AxisType.Auto for "
+        "them, or grad_reduction='auto' (per micro-batch on Explicit axes).")
   if config.grad_reduction == "once":
     return lambda spec: True
-  types = dict(zip(mesh.axis_names, mesh.axis_types))
-  if any(types.get(a) == jax.sharding.AxisType.Explicit for a in axes):
+  if explicit:
     return None
   specs = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec) if param_specs else [None]
   if all(uses_axes(s, axes) for s in specs):

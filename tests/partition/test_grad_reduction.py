@@ -162,3 +162,21 @@ def test_once_over_data_and_fsdp_reduce_scatters_then_all_reduces_the_shard():
   assert stats.bytes("all-reduce", "data") >= 2 * (2 * (weight / 2) / 2)
   assert not [op for op in stats.select("all-reduce", ("data", "fsdp"))
               if op.array_bytes >= weight / 2]
+
+
+def test_once_on_explicit_batch_axes_is_a_clear_error():
+  mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,))
+  step = partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
+                                  rules=partition.AxisRules([("batch", "data")]), mesh=mesh,
+                                  microbatches=4, grad_reduction="once")
+  with pytest.raises(partition.GradSpecError, match=r"batch's mesh axes \['data'\] are "
+                     r"Explicit.*AxisType.Auto.*grad_reduction='auto'"):
+    step(*_problem())
+  # 'auto' keeps the per-micro-batch loop there, and is right
+  params, batch = _problem()
+  auto = partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, param_axes=PARAM_AXES,
+                                  rules=partition.AxisRules([("batch", "data")]), mesh=mesh,
+                                  microbatches=4)
+  _, grads = auto(params, batch)
+  np.testing.assert_allclose(grads["w1"], jax.grad(mlp_loss)(params, batch)["w1"], rtol=1e-5,
+                             atol=1e-6)
