@@ -113,7 +113,10 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
       mesh axes there is one schedule; on ``Explicit`` batch axes ``'auto'`` is per
       micro-batch and ``'once'`` a GradSpecError (it is built on ``Auto`` axes). Reducing
       once runs the loss per device shard of each micro-batch (a mean over the batch, as
-      required above, averages the same; ``aux`` is averaged over the shards too).
+      required above, averages the same; ``aux`` is averaged over the shards too); a model
+      that cannot run per device shard (it pins the batch's mesh axes with its own
+      ``PartitionSpec``, or runs its own ``shard_map`` such as ``partition.pipeline``) is
+      reduced per micro-batch under ``'auto'``.
 
   Returns:
     ``step(params, batch, *rest) -> (loss, grads)`` (``((loss, aux), grads)`` with
@@ -198,9 +201,11 @@ class _Config:
               mesh_axes=batch_plan.mesh_axes, param_specs=param_specs, once=once,
               rng_positions=[i - 2 for i in self.rng_argnums])
       except ValueError as e:
-        # A model that pins the batch's mesh axes itself (with_sharding_constraint(x,
-        # P('data', ...))) cannot run per device shard: 'auto' keeps the per-micro-batch loop.
-        if "spmd_axis_name" not in str(e) or self.grad_reduction == "once":
+        # A model that cannot run per device shard keeps the per-micro-batch loop under
+        # 'auto': it pins the batch's mesh axes itself (with_sharding_constraint(x,
+        # P('data', ...))), or runs its own shard_map (partition.pipeline over 'stage'). A
+        # real mistake in the model fails the same way on that path, with its own message.
+        if self.grad_reduction == "once":
           raise _once_error(e, batch_plan.mesh_axes) if "spmd_axis_name" in str(e) else e
     # k micro-batches are a named loop axis; with k = 1 there is no axis at all (a size-1
     # vmap would only add copies), and xmap just places the step.

@@ -136,6 +136,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
     problems.append(f"preset={config.preset} shards mixture-of-experts layers over 'expert', "
                     "but model.num_experts=0 (a dense model): set model.num_experts=4 "
                     "model.experts_per_token=2, or use another preset")
+  problems += _pipeline_problems(config, rules, mesh) if not missing else []
   if not missing:
     spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
     entry = tuple(spec)[0] if len(spec) else None
@@ -151,6 +152,26 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   if problems:
     raise TrainConfigError("\n  * ".join([f"config: {len(problems)} problem(s) with this "
                                            "preset, mesh and batch.", *problems]))
+
+
+def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
+  """A preset that maps ``layers`` to a mesh axis pipelines the scanned block stack: without
+  ``scan_layers`` there is no stack to split (the run would silently replicate it)."""
+  import partition
+  stage = partition.stage_axis(rules, mesh)
+  if stage is None:
+    return []
+  stages, layers_ = mesh.shape[stage], config.model.num_layers
+  problems = []
+  if not config.model.scan_layers:
+    problems.append(f"preset={config.preset} pipelines the block stack over '{stage}' "
+                    f"({stages} stages), but model.scan_layers=false: set "
+                    "model.scan_layers=true")
+  if layers_ % stages:
+    problems.append(f"model.num_layers={layers_} does not split into {stages} pipeline stages "
+                    f"(mesh {stage}={stages}): use a multiple of {stages}, e.g. "
+                    f"model.num_layers={max(stages, layers_ // stages * stages)}")
+  return problems
 
 
 def make_optimizer(config: TrainConfig):
