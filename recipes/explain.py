@@ -71,6 +71,8 @@ class Plan:
     state: the abstract train state (``ShapeDtypeStruct``s with their shardings).
     warnings: large fully replicated parameters.
     memory: the compiled step's per-device memory (``None`` when not compiled).
+    pipeline: the pipeline schedule when the rules map ``layers`` to a mesh axis (stage
+      assignment, iterations, bubble), else ``None``.
   """
 
   config: Any
@@ -81,6 +83,7 @@ class Plan:
   state: Any
   warnings: tuple[str, ...]
   memory: Memory | None
+  pipeline: Any = None
 
   @property
   def num_params(self) -> int:
@@ -109,7 +112,8 @@ class Plan:
             "batch_size": c.batch_size, "seq_len": c.seq_len, "microbatches": c.microbatches,
             "params": rows, "totals": self.totals(), "warnings": list(self.warnings),
             "notes": list(self.params.notes),
-            "memory": None if self.memory is None else self.memory.to_dict()}
+            "memory": None if self.memory is None else self.memory.to_dict(),
+            "pipeline": None if self.pipeline is None else _pipeline_dict(self.pipeline)}
 
 
 def _spec_list(spec) -> list:
@@ -228,7 +232,29 @@ def plan(config, *, compile: bool = True,
   memory = compile_memory(run, state) if compile else None
   return Plan(config, run.mesh, params, optimizer,
               optimizer_by_param([r.path for r in params.rows], optimizer), state, warnings,
-              memory)
+              memory, pipeline_plan(config, run.rules, run.mesh))
+
+
+def pipeline_plan(config, rules, mesh):
+  """The ``partition.PipelinePlan`` the scanned blocks run with, or ``None`` (no stage axis).
+
+  Micro-batches and repeats are the model's ``pipeline_microbatches`` (default: one per
+  stage) and ``pipeline_repeats`` (default 1)."""
+  import partition
+  stage = partition.stage_axis(rules, mesh)
+  if stage is None or not config.model.scan_layers:
+    return None
+  stages = mesh.shape[stage]
+  return partition.PipelinePlan(
+      stage, stages, getattr(config.model, "pipeline_repeats", 1) or 1,
+      getattr(config.model, "pipeline_microbatches", None) or stages, config.model.num_layers)
+
+
+def _pipeline_dict(plan) -> dict[str, Any]:
+  return {"stage_axis": plan.stage_axis, "stages": plan.stages, "repeats": plan.repeats,
+          "microbatches": plan.microbatches, "iterations": plan.iterations,
+          "bubble": plan.bubble,
+          "stage_layers": [list(plan.stage_layers(s)) for s in range(plan.stages)]}
 
 
 def _human(n: int) -> str:
@@ -263,10 +289,25 @@ def render(p: Plan, out=sys.stdout) -> None:
   console.print(_totals_table(p))
   if p.memory is not None:
     console.print(_memory_table(p.memory))
+  if p.pipeline is not None:
+    console.print(_pipeline_table(p.pipeline))
   for w in p.warnings:
     console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
   for note in p.params.notes:
     console.print(f"note: {note}", highlight=False)
+
+
+def _pipeline_table(plan):
+  from rich.table import Table
+  table = Table(title=f"pipeline over '{plan.stage_axis}'", min_width=100,
+                caption=f"{plan.stages} stages x {plan.repeats} repeat(s), "
+                        f"{plan.microbatches} micro-batches: {plan.iterations} iterations, "
+                        f"bubble (p-1)/(r m+p-1) = {plan.bubble:.1%}")
+  table.add_column("stage")
+  table.add_column("layers (in the order applied)", overflow="fold")
+  for s in range(plan.stages):
+    table.add_row(str(s), ", ".join(map(str, plan.stage_layers(s))))
+  return table
 
 
 def _totals_table(p: Plan):
