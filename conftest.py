@@ -27,8 +27,6 @@ SLOW_FILES = frozenset({
   "tests/partition/test_fuzz_rules.py",
   "tests/partition/test_fuzz_xmap.py",
   "tests/recipes/test_multiprocess_train.py",
-  "tests/recipes/test_explain_cli.py",
-  "tests/recipes/test_train.py",
 })
 _ROOT = Path(__file__).parent
 

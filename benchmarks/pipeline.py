@@ -35,7 +35,7 @@ from benchmarks.common import (BYTES_TARGET, Row, Section, auto_mesh, collective
                                memory, steady_state)
 
 NAME = "pipeline"
-TITLE = "Pipeline over 'stage': parameter bytes, trip count, shift bytes vs analytic"
+TITLE = "9. pipeline over 'stage': parameter bytes, trip count, shift bytes vs analytic"
 N = 8
 PARAM_TARGET = 1.01
 CPU_TIME_NOTE = ("XLA:CPU: 8 virtual devices share the host's cores, so neither the bubble "

@@ -25,6 +25,7 @@ from benchmarks import (  # noqa: E402
     accumulation,
     collectives,
     papers,
+    pipeline,
     report,
     rules_resolution,
     serial_loop_memory,
@@ -34,7 +35,7 @@ from benchmarks import (  # noqa: E402
 )
 
 SECTIONS = (xmap_vs_vmap, serial_loop_memory, accumulation, rules_resolution, sharded_init,
-            train_step, collectives, papers)
+            train_step, collectives, papers, pipeline)
 HERE = Path(__file__).resolve().parent
 
 

@@ -487,8 +487,8 @@ def _stage_axis(stage_axis, rules, mesh, layers_axis, api) -> str | None:
                          "jax.set_mesh(mesh) / partition.axis_rules(rules, mesh=mesh).")
   if stage_axis not in mesh.shape:
     raise StageAxisError(
-        f"{api}: stage axis {stage_axis!r} is not an axis of {_mesh.describe(mesh)}."
-        f"{did_you_mean(stage_axis, mesh.axis_names)} Add a {stage_axis!r} axis to the mesh "
+        f"{api}: stage axis {stage_axis!r} is not an axis of {_mesh.describe(mesh)}"
+        f"{did_you_mean(stage_axis, mesh.axis_names)}. Add a {stage_axis!r} axis to the mesh "
         f"or map {layers_axis!r} to one of {tuple(mesh.axis_names)}.")
   if rules is not None:
     sharing = sorted({n for n, v in rules.pairs

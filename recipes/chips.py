@@ -24,9 +24,8 @@ FLOP/s are dense (no structured sparsity). Bytes are decimal (1 GB = 1e9) as pub
 from __future__ import annotations
 
 import dataclasses
-import difflib
 
-from partition import PartitionError
+from partition import PartitionError, did_you_mean
 
 SCALING_BOOK_TPUS = (
     "J. Austin et al., How to Scale Your Model (2025), 'How to Think About TPUs', tables "
@@ -121,8 +120,7 @@ def get_chip(name: str) -> Chip:
   if key in CHIPS:
     return CHIPS[key]
   known = sorted(CHIPS) + sorted(ALIASES)
-  close = difflib.get_close_matches(key, known, n=2, cutoff=0.5)
-  hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-  raise ChipError(f"--chip {name!r} is not in the chip table.{hint} Known chips: "
+  hint = did_you_mean(key, known, cutoff=0.5, n=2)
+  raise ChipError(f"--chip {name!r} is not in the chip table{hint}. Known chips: "
                   f"{', '.join(sorted(CHIPS))} (recipes/chips.py; add a row with its source "
                   "to plan for another).")

@@ -8,7 +8,7 @@
 Traceback (most recent call last):
 ...
 recipes.config.TrainConfigError: config: 1 problem(s).
-  * unknown key 'stpes'. Did you mean 'steps'?
+  * unknown key 'stpes' (did you mean 'steps'?).
 Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML file. ...
 """
 
@@ -25,8 +25,7 @@ from typing import Any
 import yaml
 
 import layers
-from partition import PartitionError, format_message
-from recipes._hints import did_you_mean
+from partition import PartitionError, did_you_mean, format_message
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "default.yaml"
@@ -230,22 +229,6 @@ def _valid_keys() -> list[str]:
   return sorted(out)
 
 
-def suggest(word: str, options: Sequence[str]) -> str:
-  """`` Did you mean 'x'?``: the closest spelling, else the option ``word`` abbreviates
-  (``lr`` -> ``learning_rate``: its initials; ``warmup`` -> ``warmup_steps``: a prefix).
-
-  >>> suggest('lr', ['learning_rate', 'warmup_steps'])
-  " Did you mean 'learning_rate'?"
-  """
-  close = did_you_mean(word, options)
-  if close or not word:
-    return close
-  initials = [o for o in options if "".join(p[:1] for p in o.split("_")) == word]
-  prefixed = [o for o in options if len(word) >= 2 and o.startswith(word)]
-  found = initials or prefixed
-  return f" Did you mean {found[0]!r}?" if len(found) == 1 else ""
-
-
 def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig | None:
   kwargs = _check_fields(TrainConfig, raw, "", problems)
   for name, cls in _SECTIONS.items():
@@ -285,8 +268,8 @@ def _check_fields(cls, raw: dict, prefix: str, problems: list[str]) -> dict[str,
   for key, value in raw.items():
     if key not in fields:
       valid = f" Valid keys of {prefix[:-1]}: {', '.join(fields)}." if prefix else ""
-      problems.append(f"unknown key {prefix + str(key)!r}."
-                      f"{suggest(str(key), list(fields))}{valid}")
+      problems.append(f"unknown key {prefix + str(key)!r}"
+                      f"{did_you_mean(str(key), list(fields))}.{valid}")
       continue
     if key in _SECTIONS and not prefix:
       continue
@@ -339,11 +322,11 @@ def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
 def _semantic_problems(c: TrainConfig) -> list[str]:
   problems = []
   if c.framework not in FRAMEWORKS:
-    problems.append(f"framework={c.framework!r} must be one of {list(FRAMEWORKS)}."
-                    f"{did_you_mean(c.framework, FRAMEWORKS)}")
+    problems.append(f"framework={c.framework!r} must be one of {list(FRAMEWORKS)}"
+                    f"{did_you_mean(c.framework, FRAMEWORKS)}.")
   if c.data.path is None and c.data.task not in TASKS:
-    problems.append(f"data.task={c.data.task!r} must be one of {list(TASKS)}."
-                    f"{did_you_mean(c.data.task, TASKS)}")
+    problems.append(f"data.task={c.data.task!r} must be one of {list(TASKS)}"
+                    f"{did_you_mean(c.data.task, TASKS)}.")
   for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "log_every",
                "eval_batches"):
     if getattr(c, name) is not None and getattr(c, name) < 1:
@@ -378,7 +361,7 @@ def preset_path(preset: str) -> pathlib.Path:
     return path
   names = sorted(p.stem for p in PRESETS.glob("*.yaml"))
   raise TrainConfigError(f"preset={preset!r} is neither a preset ({', '.join(names)}) nor an "
-                         f"existing rules file.{did_you_mean(preset, names)}")
+                         f"existing rules file{did_you_mean(preset, names)}.")
 
 
 # Each built-in preset's mesh, as the README's preset table gives it (the error messages

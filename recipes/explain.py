@@ -215,7 +215,7 @@ def plan(config, *, compile: bool = True,
     ...                              'mesh={data: -1}'])
     >>> p = plan(cfg, compile=False)
     >>> p.totals()['num_params'], p.params.rows[0].path, p.params.rows[0].logical_axes
-    (38080, 'blocks_0/attn/key/kernel', ('embed', 'kv_heads', 'head_dim'))
+    (38080, 'blocks_0/attn/out/kernel', ('heads', 'head_dim', 'embed'))
     >>> p.params.bytes_per_device == p.params.total_bytes  # only 'data': params replicated
     True
   """

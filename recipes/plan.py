@@ -39,7 +39,7 @@ from typing import Any
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from partition import PartitionError  # noqa: E402
+from partition import PartitionError, did_you_mean  # noqa: E402
 from recipes import chips as chips_lib  # noqa: E402
 from recipes import plan_model, roofline  # noqa: E402
 
@@ -441,10 +441,7 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
                if not (p == "expert_parallel" and config.model.num_experts == 0)]
   for p in presets:
     if p not in all_presets:
-      import difflib
-      close = difflib.get_close_matches(p, all_presets, n=1)
-      hint = f" Did you mean {close[0]!r}?" if close else ""
-      raise PlanError(f"--preset {p!r} is not a preset.{hint} Presets: "
+      raise PlanError(f"--preset {p!r} is not a preset{did_you_mean(p, all_presets)}. Presets: "
                       f"{', '.join(all_presets)}.")
   params = model_params(config)
   cands, skipped = candidates(config, params, presets, devices, remats, max_microbatches)

@@ -318,7 +318,7 @@ def test_error_stage_axis_shared_with_another_logical_axis():
 
 def test_error_stage_axis_not_in_mesh_and_two_mesh_axes():
   with pytest.raises(StageAxisError, match=r"'stages' is not an axis of mesh\(stage=4 Auto, "
-                     r"data=2 Auto\)\. Did you mean 'stage'\?"):
+                     r"data=2 Auto\) \(did you mean 'stage'\?\)\."):
     call(stage_axis="stages")
   with pytest.raises(StageAxisError, match=r"map 'layers' to \('stage', 'data'\); a pipeline "
                      r"needs one stage mesh axis"):

@@ -116,14 +116,14 @@ def test_json_numbers_and_table(planned):
   assert d["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and d["num_devices"] == 8
   assert d["totals"]["param_bytes_per_device"] == plan.params.bytes_per_device
   assert d["totals"]["num_params"] == sum(int(np.prod(r["shape"])) for r in d["params"])
-  query = next(r for r in d["params"] if r["path"] == "blocks_0/attn/query/kernel")
-  assert query["logical_axes"] == ["embed", "heads", "head_dim"]
-  assert query["spec"] == ["fsdp", "tensor", None]
+  qkv = next(r for r in d["params"] if r["path"] == "blocks_0/attn/qkv/kernel")
+  assert qkv["logical_axes"] == ["embed", "kv_heads", None, "head_dim"]  # fused, per kv group
+  assert qkv["spec"] == ["fsdp", "tensor", None, None]
   assert d["memory"]["argument"] == plan.memory.argument
   out = io.StringIO()
   explain.render(plan, out)
   text = out.getvalue()
-  for needle in ("blocks_0/attn/query/kernel", "P('fsdp', 'tensor', None)", "totals",
+  for needle in ("blocks_0/attn/qkv/kernel", "P('fsdp', 'tensor', None, None)", "totals",
                  "compiled train step", "params + optimizer", "temporaries"):
     assert needle in text, needle
 
@@ -217,7 +217,7 @@ def test_cli_errors_exit_2_with_the_fix(capsys):
   assert explain.main(["--devices", "16", *TINY]) == 2
   assert "Give one axis -1 to fill them" in capsys.readouterr().err
   assert explain.main(["stpes=3"]) == 2
-  assert "Did you mean 'steps'?" in capsys.readouterr().err
+  assert "(did you mean 'steps'?)" in capsys.readouterr().err
   assert explain.main(["--devices", "-4", *TINY]) == 2
   assert "--devices -4: give a positive number of devices" in capsys.readouterr().err
 
@@ -230,7 +230,7 @@ def test_python_m_recipes_lists_and_dispatches(capsys):
     assert f"  {command} " in listing
   assert "The sharding report of a training config, without training." in listing
   assert main(["trian"]) == 2
-  assert "unknown command 'trian'. Did you mean 'train'?" in capsys.readouterr().err
+  assert "unknown command 'trian' (did you mean 'train'?)." in capsys.readouterr().err
   # dispatch: recipes.explain's own argument check answers
   assert main(["explain", "--devices", "16", *TINY]) == 2
   assert "Give one axis -1 to fill them" in capsys.readouterr().err
