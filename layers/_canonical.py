@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from layers._core import split_qkv
 from partition import PartitionError
 from partition import format_message
 
@@ -130,13 +131,6 @@ def _leaves(tree: Any) -> list[tuple[list[str], Any]]:
 # -- fused framework layout <-> unfused canonical names --------------------------------------
 
 
-def _split_qkv(fused: Any) -> tuple[Any, Any, Any]:
-  per_kv = fused.shape[-2] - 2
-  q = fused[..., :per_kv, :]
-  return (q.reshape(*q.shape[:-3], q.shape[-3] * per_kv, q.shape[-1]), fused[..., per_kv, :],
-          fused[..., per_kv + 1, :])
-
-
 def _fuse_qkv(q: Any, k: Any, v: Any) -> Any:
   heads, kv_heads = q.shape[-2], k.shape[-2]
   if k.shape != v.shape or heads % kv_heads or q.shape[:-2] != k.shape[:-2] or (
@@ -161,9 +155,9 @@ def _fuse_pair(gate: Any, up: Any) -> Any:
 # framework name -> (canonical names, split, fuse)
 FUSED: dict[str, tuple[tuple[str, ...], Any, Any]] = {
     "blocks/attn/qkv/kernel": (("blocks/attn/query/kernel", "blocks/attn/key/kernel",
-                                "blocks/attn/value/kernel"), _split_qkv, _fuse_qkv),
+                                "blocks/attn/value/kernel"), split_qkv, _fuse_qkv),
     "blocks/attn/qkv/bias": (("blocks/attn/query/bias", "blocks/attn/key/bias",
-                              "blocks/attn/value/bias"), _split_qkv, _fuse_qkv),
+                              "blocks/attn/value/bias"), split_qkv, _fuse_qkv),
     "blocks/mlp/wi/kernel": (("blocks/mlp/wi_gate/kernel", "blocks/mlp/wi_up/kernel"),
                              _split_pair, _fuse_pair),
     "blocks/moe/wi": (("blocks/moe/wi_gate", "blocks/moe/wi_up"), _split_pair, _fuse_pair),

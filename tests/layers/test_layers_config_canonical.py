@@ -115,7 +115,7 @@ def test_from_canonical_reports_a_stack_with_too_few_layers():
     layers.from_canonical(weights, like=three.params)
 
 
-@pytest.mark.parametrize("module", ["_config", "_core", "_moe", "_params", "_canonical",
+@pytest.mark.parametrize("module", ["_config", "_core", "_model", "_moe", "_params", "_canonical",
                                     "linen", "nnx", "haiku"])
 def test_docstring_examples_run(module):
   # pyproject's testpaths collect doctests of partition/ only; run layers/' here.

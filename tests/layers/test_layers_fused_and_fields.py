@@ -33,9 +33,8 @@ def numpy_transformer(w, cfg, tokens):
   for i in range(cfg.num_layers):
     p = {k[len("blocks/"):]: v[i] for k, v in w.items() if k.startswith("blocks/")}
     h = _rms(x, p["attn_norm/scale"], cfg.norm_eps)
-    proj = lambda n: np.einsum("ble,ehd->blhd", h, p[f"attn/{n}/kernel"]) + p.get(
-        f"attn/{n}/bias", 0.0)
-    q, k, v = (proj(n) for n in ("query", "key", "value"))
+    q, k, v = (np.einsum("ble,ehd->blhd", h, p[f"attn/{n}/kernel"]) + p.get(f"attn/{n}/bias", 0.0)
+               for n in ("query", "key", "value"))
     q, k = _rope(q, cfg.rope_theta), _rope(k, cfg.rope_theta)
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)   # head h: kv h // group
     s = np.einsum("blhd,bshd->bhls", q, k) / np.sqrt(cfg.head_dim)

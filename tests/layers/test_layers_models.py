@@ -166,7 +166,7 @@ def test_moe_transformer_reports_aux_losses(framework):
 def test_haiku_transformer_is_named_transformer():
   f = hk.transform(lambda t: layers.haiku.Transformer(config())(t))
   params = jax.eval_shape(f.init, jax.random.key(0), TOKENS)
-  assert "transformer/embed" in params and "transformer/blocks_1/attn/query" in params
+  assert "transformer/embed" in params and "transformer/blocks_1/attn/qkv" in params
 
 
 def test_bfloat16_compute_with_float32_params():

@@ -70,8 +70,7 @@ def _run_sharded(m, params):
   return logits, loss, grads, compiled.as_text()
 
 
-# Each framework's own stacking machinery (unrolled / nn.scan / nnx.scan / hk.layer_stack)
-# under FSDP+TP, and an MoE model under expert parallelism; scanned == unrolled is
+# Each framework's unrolled and stacked parameter declarations under FSDP+TP, and an MoE model under expert parallelism; scanned == unrolled is
 # checked on one device in test_layers_models.py.
 CASES = [("linen", False, "fsdp_tp", 0), ("nnx", True, "fsdp_tp", 0),
          ("haiku", True, "fsdp_tp", 0), ("linen", True, "expert", 4),
@@ -87,11 +86,12 @@ def test_sharded_forward_and_grad_equal_single_device(framework, scan, table, ex
   params = layers.from_canonical(weights, like=sharded)
   lead = (None,) if scan else ()
   if table == "fsdp_tp":
-    assert _spec(params, "blocks/attn/query/kernel") == P(*lead, "fsdp", "tensor", None)
+    # The fused QKV kernel (embed, kv_heads, q_per_kv + 2, head_dim): kv groups over tensor.
+    assert _spec(params, "blocks/attn/qkv/kernel") == P(*lead, "fsdp", "tensor", None, None)
     assert _spec(params, "blocks/mlp/wo/kernel") == P(*lead, "tensor", "fsdp")
     assert _spec(params, "embed/embedding") == P("tensor", "fsdp")
   else:
-    assert _spec(params, "blocks/moe/wi_gate") == P(*lead, "tensor", "fsdp", None)
+    assert _spec(params, "blocks/moe/wi") == P(*lead, "tensor", "fsdp", None, None)
   with partition.axis_rules(rules, MESH):
     logits, loss, grads, hlo = _run_sharded(m, params)
   _assert_close(logits, ref_logits, "logits")
