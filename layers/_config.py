@@ -15,8 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from partition import PartitionError
-from partition import format_message
+from partition import PartitionError, format_message
 
 # Remat policy names -> ``jax.checkpoint`` policies. ``'none'`` means no remat at all;
 # ``'full'`` recomputes everything in the backward pass (policy ``None``).

@@ -17,8 +17,7 @@ from typing import Any, NamedTuple
 
 import jax
 
-from partition import PartitionError
-from partition import format_message
+from partition import PartitionError, format_message
 
 init = jax.nn.initializers
 

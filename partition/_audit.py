@@ -64,9 +64,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._errors import PartitionError, did_you_mean, format_message
-from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
 from partition._explain import human_bytes
 from partition._logical_axes import dtype_shape
+from partition._mesh import AnyMesh, axis_sizes, describe, entry_axes
 from partition._path_rules import PathMatch, path_str
 from partition._resolve import INDIVISIBLE, Resolution
 from partition._rules import AxisRules, is_axes_leaf

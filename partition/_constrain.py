@@ -20,9 +20,9 @@ from partition._context import current_rules, current_rules_mesh
 from partition._errors import MeshError, PartitionError, format_message
 from partition._logical_axes import path_str
 from partition._mesh import AnyMesh, axes_entry, describe, entry_axes, explicit_axes
+from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 from partition._scope import inside_xmap, mapped_mesh_axes
 from partition._warnings import PartitionWarning, warn_fallbacks
-from partition._rules import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree
 
 
 class NoRulesError(PartitionError, ValueError):

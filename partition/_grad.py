@@ -54,10 +54,10 @@ from partition import _mesh
 from partition._context import axis_rules, current_rules, current_rules_mesh
 from partition._errors import AxisSizeError, PartitionError, SpecError, format_message
 from partition._optim import resolve_param_axes
+from partition._reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._resources import SerialLoop
 from partition._rules import AxisRules, is_axes_leaf
 from partition._specs import Logical, Mean
-from partition._reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap import xmap
 
 _MICRO = "__microbatch__"
@@ -206,7 +206,7 @@ class _Config:
         # P('data', ...))), or runs its own shard_map (partition.pipeline over 'stage'). A
         # real mistake in the model fails the same way on that path, with its own message.
         if self.grad_reduction == "once":
-          raise _once_error(e, batch_plan.mesh_axes) if "spmd_axis_name" in str(e) else e
+          raise (_once_error(e, batch_plan.mesh_axes) if "spmd_axis_name" in str(e) else e) from e
     # k micro-batches are a named loop axis; with k = 1 there is no axis at all (a size-1
     # vmap would only add copies), and xmap just places the step.
     looped = k > 1

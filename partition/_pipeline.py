@@ -326,12 +326,12 @@ def _circular_chunks(local_params: Any, plan: PipelinePlan) -> Any:
     src = jnp.asarray([send.get(a, 0) for a in range(p)])
     dst_slot = jnp.asarray([recv.get(t, 0) for t in range(p)])
     got = jnp.asarray([t in recv for t in range(p)])
-    piece = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, src[s], keepdims=False),
+    piece = jax.tree.map(lambda a: lax.dynamic_index_in_dim(a, src[s], keepdims=False),  # noqa: B023
                          chunks)
     pairs = [(a, t) for a, t, _, _ in moves if a != t]
     if pairs:
       piece = lax.ppermute(piece, stage, pairs)
-    out = jax.tree.map(lambda o, v: _write_slot(o, v, dst_slot[s], got[s]), out, piece)
+    out = jax.tree.map(lambda o, v: _write_slot(o, v, dst_slot[s], got[s]), out, piece)  # noqa: B023
   return out
 
 

@@ -128,7 +128,8 @@ class Reduction:
       twice = sorted({n for n in names if names.count(n) > 1})
       raise AxisNameError(
           f"{kind}{names} names axis {twice[0]!r} twice. Name each axis to reduce once: "
-          f"{kind}({', '.join(map(repr, dict.fromkeys(names)))}) (reducing an axis twice is not defined; to "
+          f"{kind}({', '.join(map(repr, dict.fromkeys(names)))}) (reducing an axis twice is not "
+          "defined; to "
           f"scale the result, multiply it).")
     object.__setattr__(self, "names", tuple(names))
     object.__setattr__(self, "axes", {} if axes is None else axes)

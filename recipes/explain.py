@@ -31,6 +31,7 @@ if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from partition import PartitionError  # noqa: E402
+from recipes import report  # noqa: E402
 
 REPLICATED_WARN_BYTES = 1 << 20  # a replicated parameter above 1 MiB is worth a warning
 
@@ -343,7 +344,7 @@ def _memory_table(m: Memory):
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m recipes.explain", description=__doc__.splitlines()[0].replace("``", ""),
+      prog="python -m recipes.explain", description=report.plain(__doc__.splitlines()[0]),
       epilog="Overrides are key=value with dotted keys, as for python -m recipes.train.")
   parser.add_argument("--config", help="a YAML config (default: recipes/configs/default.yaml)")
   parser.add_argument("--devices", type=int, default=None, metavar="N",

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from partition import PartitionError
+from recipes import report
 
 
 class ExportError(PartitionError, ValueError):
@@ -169,7 +170,7 @@ def load(path: str | pathlib.Path) -> tuple[dict[str, np.ndarray], Any]:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(prog="python -m recipes.export",
-                                   description=__doc__.splitlines()[0])
+                                   description=report.plain(__doc__.splitlines()[0]))
   parser.add_argument("--checkpoint", required=True, metavar="DIR",
                       help="a run's out_dir or its checkpoints/ folder")
   parser.add_argument("--step", type=int, default=None, help="default: the latest step")

@@ -41,7 +41,7 @@ if __name__ == "__main__":
 
 from partition import PartitionError, did_you_mean  # noqa: E402
 from recipes import chips as chips_lib  # noqa: E402
-from recipes import plan_model, roofline  # noqa: E402
+from recipes import plan_model, report, roofline  # noqa: E402
 
 DEFAULT_REMATS = ("none", "dots", "full")
 MAX_COMPILE_DEVICES = 512      # virtual CPU devices one compile may ask for
@@ -617,7 +617,7 @@ def plot(found: Search, chip, path: pathlib.Path) -> None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m recipes.plan", description=__doc__.splitlines()[0],
+      prog="python -m recipes.plan", description=report.plain(__doc__.splitlines()[0]),
       epilog="Overrides are key=value with dotted keys, as for python -m recipes.train "
              "(model.num_layers=16 ...).")
   parser.add_argument("--devices", type=int, metavar="N", help="number of chips")

@@ -17,6 +17,15 @@ from typing import Any
 from partition import atomic_write
 
 
+def plain(text: str) -> str:
+  """A docstring line for a terminal (``--help``): no reStructuredText literal markers.
+
+  >>> plain('Train (``python -m recipes.train``).')
+  'Train (python -m recipes.train).'
+  """
+  return text.replace("``", "")
+
+
 def write_json(path: pathlib.Path, obj: Any) -> None:
   atomic_write(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 

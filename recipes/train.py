@@ -29,12 +29,13 @@ if __name__ == "__main__":
   # out of the progress display; TF_CPP_MIN_LOG_LEVEL=0 shows them. Set before jaxlib loads.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from recipes import report  # noqa: E402
 from recipes.config import TrainConfig, TrainConfigError, load_config  # noqa: E402
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
   parser = argparse.ArgumentParser(
-      prog="python -m recipes.train", description=plain(__doc__.splitlines()[0]),
+      prog="python -m recipes.train", description=report.plain(__doc__.splitlines()[0]),
       epilog="Overrides are key=value with dotted keys, e.g. model.num_layers=4 "
              "mesh='{data: 4, fsdp: 2}' optimizer.learning_rate=1e-3. A new run refuses an "
              "out_dir that holds another run; resume=true continues it. SIGTERM/SIGINT stop "
@@ -44,11 +45,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
   parser.add_argument("overrides", nargs="*", help="key=value overrides")
   args = parser.parse_args(argv)
   return args.config, args.overrides
-
-
-def plain(text: str) -> str:
-  """A docstring line for a terminal: no reStructuredText literal markers."""
-  return text.replace("``", "")
 
 
 def default_config_path() -> pathlib.Path:

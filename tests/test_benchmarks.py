@@ -7,11 +7,7 @@ Timing ratios are not asserted (they depend on the machine); the collective-byte
 import json
 import math
 
-import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import partition
 from benchmarks import common, run
@@ -112,9 +108,9 @@ def test_papers_section_reduces_data_parallel_gradients_once(quick_run):
 
 
 def test_papers_formulas_by_hand():
-  import layers
   import numpy as np
 
+  import layers
   from benchmarks import papers
 
   cfg = layers.TransformerConfig(vocab_size=16, embed_dim=8, mlp_dim=16, num_heads=2,

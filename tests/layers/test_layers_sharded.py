@@ -70,7 +70,8 @@ def _run_sharded(m, params):
   return logits, loss, grads, compiled.as_text()
 
 
-# Each framework's unrolled and stacked parameter declarations under FSDP+TP, and an MoE model under expert parallelism; scanned == unrolled is
+# Each framework's unrolled and stacked parameter declarations under FSDP+TP, and an MoE model
+# under expert parallelism; scanned == unrolled is
 # checked on one device in test_layers_models.py.
 CASES = [("linen", False, "fsdp_tp", 0), ("nnx", True, "fsdp_tp", 0),
          ("haiku", True, "fsdp_tp", 0), ("linen", True, "expert", 4),

@@ -22,7 +22,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from partition import AxisRules, RulesConfigError, MeshError, ResourceError, RulesError, SerialLoop
+from partition import AxisRules, MeshError, ResourceError, RulesConfigError, RulesError, SerialLoop
 from partition._config import RulesConfigTypeError, RulesTypeError
 from partition._io import FileError, atomic_write, read_bytes
 from partition._rules import is_axes_leaf
@@ -81,7 +81,8 @@ def test_to_file_failure_mid_write_keeps_the_old_file(keep, monkeypatch):
     raise OSError(28, "No space left on device")
 
   monkeypatch.setattr(os, "replace", broken_replace)
-  with pytest.raises(RulesConfigError, match=r"No space left on device\. The old file .* unchanged"):
+  with pytest.raises(RulesConfigError,
+                     match=r"No space left on device\. The old file .* unchanged"):
     RULES.to_file(keep)
   assert keep.read_bytes() == before
   assert sorted(os.listdir(keep.parent)) == ["keep.yaml"]  # no temporary file left
@@ -127,9 +128,11 @@ def test_atomic_write_helpers(tmp_path):
 
 @pytest.mark.parametrize("path", [None, 3, 2.5, ["r.yaml"]])
 def test_from_file_path_of_wrong_type(path):
-  with pytest.raises(RulesConfigTypeError, match=r"must be a file path .*got " + type(path).__name__):
+  with pytest.raises(RulesConfigTypeError,
+                     match=r"must be a file path .*got " + type(path).__name__):
     AxisRules.from_file(path)
-  assert issubclass(RulesConfigTypeError, TypeError) and issubclass(RulesConfigTypeError, RulesConfigError)
+  assert issubclass(RulesConfigTypeError, TypeError)
+  assert issubclass(RulesConfigTypeError, RulesConfigError)
 
 
 def test_from_file_bytes_path_equals_str_path(tmp_path):

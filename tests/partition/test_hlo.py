@@ -74,7 +74,8 @@ def test_device_ids_are_positions_in_the_mesh():
   x = jnp.ones((8, 16), jnp.float32)
   for axis in ("a", "b"):
     stats = partition.collective_stats(
-        _shard_map(lambda v: jax.lax.psum(v, axis), mesh, P("a", "b"), P("a", "b"), x), mesh)
+        _shard_map(lambda v: jax.lax.psum(v, axis), mesh, P("a", "b"), P("a", "b"), x),  # noqa: B023
+        mesh)
     assert stats.count("all-reduce", axis) == 1, stats
 
 

@@ -494,7 +494,8 @@ def test_collective_over_named_loop_axis_under_jit():
 def test_collective_over_an_unbound_name():
   f = xmap(lambda a: lax.psum(a, "batchh"), ["batch", ...], ["batch", ...])
   with _raises(ValueError, r"refers to axis 'batchh', which no enclosing xmap or vmap binds "
-                           r"\(did you mean 'batch'\?\)\.(?s:.*)axes of this xmap: \['batch'\]") as e:
+                           r"\(did you mean 'batch'\?\)\.(?s:.*)"
+                           r"axes of this xmap: \['batch'\]") as e:
     f(jnp.ones(4))
   _check_type(e, ValueError)
   assert isinstance(e.value, partition.AxisNameError)
