@@ -61,11 +61,14 @@ def test_readme_train_commands_run_as_printed(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)  # relative out_dirs and files land here
   (tmp_path / "my.yaml").write_text("framework: haiku\nseed: 3\n")
   (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+  (tmp_path / "tests").symlink_to(README.parent / "tests")  # init_from=tests/layers/data/hf/...
   commands = readme_commands("train")
   resume = [c for c in commands if c == ["resume=true"]]
   for args in [c for c in commands if c not in resume] + resume:
     extra = ["steps=3"] if args == ["resume=true"] else []  # one more step than the first run
     given = {a.split("=", 1)[0] for a in args}  # a key the command sets stays as printed
+    if "init_from" in given:  # the checkpoint decides the model
+      given |= {t.split("=", 1)[0] for t in TINY_RUN if t.startswith("model.")}
     code = train.main(args + [t for t in TINY_RUN if t.split("=", 1)[0] not in given] + extra)
     err = capsys.readouterr().err
     assert code == 0, (args, err)
