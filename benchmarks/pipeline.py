@@ -36,7 +36,6 @@ from benchmarks.common import (
   Row,
   Section,
   auto_mesh,
-  collectives,
   log,
   memory,
   steady_state,
@@ -128,7 +127,7 @@ def run(quick: bool) -> Section:
     micro_bytes = (rows // m) // (N // p) * d * 4  # one micro-batch, this device's rows
     relayout = 2 * _layers_leaving(plan) * total / num_layers
     analytic = 2 * plan.iterations * micro_bytes + relayout
-    permute = collectives(hlo, N)["collective-permute"]["wire_bytes"]
+    permute = partition.collective_stats(compiled).bytes("collective-permute")
     note = ("" if r == 1 else f"analytic includes the circular relayout of the parameters "
             f"and gradients ({relayout / 1024:.1f} KiB)")
     section.rows.append(Row(NAME, workload, "collective-permute bytes / shift volume", permute,

@@ -57,8 +57,7 @@ import numpy as np
 
 from layers._config import TransformerConfig
 from partition import PartitionError
-from partition._errors import format_message
-from partition._io import atomic_write
+from partition import atomic_write, format_message
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}

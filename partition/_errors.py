@@ -53,24 +53,26 @@ class MeshError(PartitionError, ValueError):
   """No usable mesh, or a mesh that does not match what was asked for."""
 
 
-def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6, n: int = 1) -> str:
+def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6, n: int = 1,
+                 abbreviations: bool = False) -> str:
   """`` (did you mean 'x'?)`` for the option closest to ``word``, or ``''``.
 
   The one format of the library's hints (partition, layers and the recipes' CLIs); it reads
   well mid-sentence and at the end. The closest spelling wins (difflib; a higher ``cutoff``,
-  0 to 1, asks for a nearer miss); else the one option ``word`` abbreviates: its initials
-  (``lr`` -> ``learning_rate``) or a prefix (``warmup`` -> ``warmup_steps``). ``n > 1``
-  offers up to ``n`` spellings.
+  0 to 1, asks for a nearer miss); with ``abbreviations`` (for keys people shorten, not for
+  names where a prefix is another name, like mesh axes ``fsdp`` / ``fsdp_transpose``), else
+  the one option ``word`` abbreviates: its initials (``lr`` -> ``learning_rate``) or a prefix
+  (``warmup`` -> ``warmup_steps``). ``n > 1`` offers up to ``n`` spellings.
 
   >>> 'no rule for ' + repr('mpl') + did_you_mean('mpl', ['mlp', 'embed'])
   "no rule for 'mpl' (did you mean 'mlp'?)"
-  >>> did_you_mean('lr', ['learning_rate', 'warmup_steps'])
+  >>> did_you_mean('lr', ['learning_rate', 'warmup_steps'], abbreviations=True)
   " (did you mean 'learning_rate'?)"
   """
   word = str(word)
   options = [o for o in options if isinstance(o, str)]
   close = difflib.get_close_matches(word, options, n=n, cutoff=cutoff)
-  if not close and word:
+  if not close and word and abbreviations:
     initials = [o for o in options if "".join(p[:1] for p in o.split("_")) == word]
     prefixed = [o for o in options if len(word) >= 2 and o.startswith(word)]
     close = (initials or prefixed)[:1] if len(initials or prefixed) == 1 else []

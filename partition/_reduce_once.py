@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from partition._context import axis_rules
 from partition._rules import AxisRules
 
 SCHEDULES = ("auto", "per_microbatch", "once")
@@ -52,7 +53,6 @@ def reduce_once_step(loss_fn: Callable, has_aux: bool, params: Any, batch: Any,
   """``(value, grads)`` of the mean loss over ``k`` micro-batches, gradients for which
   ``once(spec)`` is true reduced over ``mesh_axes`` after the loop, the others per
   micro-batch (see the module docstring)."""
-  from partition._context import axis_rules
 
   def constrain(x, spec):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))

@@ -269,7 +269,7 @@ def _check_fields(cls, raw: dict, prefix: str, problems: list[str]) -> dict[str,
     if key not in fields:
       valid = f" Valid keys of {prefix[:-1]}: {', '.join(fields)}." if prefix else ""
       problems.append(f"unknown key {prefix + str(key)!r}"
-                      f"{did_you_mean(str(key), list(fields))}.{valid}")
+                      f"{did_you_mean(str(key), list(fields), abbreviations=True)}.{valid}")
       continue
     if key in _SECTIONS and not prefix:
       continue

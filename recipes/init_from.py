@@ -31,8 +31,7 @@ from typing import Any
 import jax
 
 import layers
-from partition import PartitionError
-from partition._errors import format_message
+from partition import PartitionError, format_message
 
 # How the model runs, not what it computes: the run's config decides these.
 RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")

@@ -173,7 +173,8 @@ def model_params(config) -> list[plan_model.ParamShape]:
   run is traced under ``jax.eval_shape`` on a one-device mesh (shapes do not depend on it)."""
   import jax
   import numpy as np
-  one = dataclasses.replace(config, mesh={"data": 1}, rules=())
+  one = dataclasses.replace(config, preset="data_parallel", mesh={"data": 1}, rules=(),
+                            microbatches=1)
   run, state = _abstract_run(one)
   axes = run.state_axes["params"]
   is_axes = lambda a: a is None or (type(a) is tuple and all(

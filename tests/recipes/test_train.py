@@ -134,8 +134,8 @@ def test_config_semantic_errors_and_files(tmp_path):
   assert (cfg.steps, cfg.optimizer.learning_rate, cfg.model.num_layers) == (5, 0.01, 4)
   with pytest.raises(TrainConfigError, match="cannot read"):
     load_config(tmp_path / "missing.yaml")
-  with pytest.raises(TrainConfigError, match=r"preset='fdsp' is neither a preset .* Did you "
-                                             r"mean 'fsdp'\?"):
+  with pytest.raises(TrainConfigError, match=r"preset='fdsp' is neither a preset .* \(did you "
+                                             r"mean 'fsdp'\?\)\."):
     train.make_rules(load_config(overrides=["preset=fdsp"]))
 
 
