@@ -256,7 +256,10 @@ def test_byte_level_lm_on_a_text_file(tmp_path):
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
   out = _run(tmp_path, "lm", f"data.path={text}", "model.vocab_size=256", "steps=2")
   assert all(np.isfinite(_losses(out)))
-  assert _losses(out)[0] == pytest.approx(np.log(256), rel=0.1)  # uniform at start
+  # At init the tied logits h . e_v have unit variance (h RMS-normed, embeddings of std
+  # 1/sqrt(embed)), and the mean cross-entropy of N(0, 1) logits over V classes is about
+  # log V + 1/2; the draw of one small batch moves it by a few percent.
+  assert _losses(out)[0] == pytest.approx(np.log(256) + 0.5, rel=0.05)
 
 
 # ------------------------------------------------------------------- checkpoints
