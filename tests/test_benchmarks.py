@@ -37,7 +37,7 @@ def test_rows_are_consistent(quick_run):
   for s in data["sections"]:
     for r in s["rows"]:
       assert set(r) == ROW_KEYS
-      assert r["unit"] in ("s", "bytes")
+      assert r["unit"] in ("s", "bytes", "iterations")  # iterations: a loop trip count
       assert r["ours"] > 0 and r["baseline"] > 0, r
       assert math.isclose(r["ratio"], r["ours"] / r["baseline"])
       if r["target"] is None:
