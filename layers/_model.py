@@ -114,7 +114,7 @@ def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: A
   carry = (x, *(a for a, b in zip((mask, positions), per_example) if b))
   shared = tuple(a for a, b in zip((mask, positions), per_example) if not b)
   out = partition.pipeline(layer, blocks, carry, consts=shared,
-                           microbatches=getattr(config, "pipeline_microbatches", None))
+                           microbatches=None)  # one per stage (partition.pipeline's default)
   num_layers = jax.tree.leaves(blocks)[0].shape[0]
   aux = jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype), _core.no_aux())
   return out[0], aux

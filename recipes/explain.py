@@ -239,16 +239,15 @@ def plan(config, *, compile: bool = True,
 def pipeline_plan(config, rules, mesh):
   """The ``partition.PipelinePlan`` the scanned blocks run with, or ``None`` (no stage axis).
 
-  Micro-batches and repeats are the model's ``pipeline_microbatches`` (default: one per
-  stage) and ``pipeline_repeats`` (default 1)."""
+  The ``layers`` Transformer runs GPipe (one repeat) with one micro-batch per stage, what
+  ``partition.pipeline`` does by default."""
   import partition
   stage = partition.stage_axis(rules, mesh)
   if stage is None or not config.model.scan_layers:
     return None
   stages = mesh.shape[stage]
   return partition.PipelinePlan(
-      stage, stages, getattr(config.model, "pipeline_repeats", 1) or 1,
-      getattr(config.model, "pipeline_microbatches", None) or stages, config.model.num_layers)
+      stage, stages, 1, stages, config.model.num_layers)
 
 
 def _pipeline_dict(plan) -> dict[str, Any]:
