@@ -12,6 +12,7 @@ queries            ``('batch', 'length', 'heads', 'head_dim')``
 keys / values      ``('batch', 'length', 'kv_heads', 'head_dim')``
 MLP hidden         ``('batch', 'length', 'mlp')``
 expert inputs      ``('batch', 'expert', None, 'embed')`` (None: capacity slots)
+dispatched tokens  ``('batch', None, None, 'embed')`` (before / after the all-to-all)
 expert hidden      ``('batch', 'expert', None, 'mlp')``
 logits             ``('batch', 'length', 'vocab')``
 =================  ==========================================

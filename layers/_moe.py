@@ -34,6 +34,9 @@ Array = jax.Array
 
 EXPERT_IN = ("batch", "expert", None, "embed")
 EXPERT_HIDDEN = ("batch", "expert", None, "mlp")
+#: Dispatched tokens where they were routed (the batch's own devices, every expert's slots):
+#: the layout between the local dispatch/combine einsum and the all-to-all.
+TOKEN_SLOTS = ("batch", None, None, "embed")
 
 
 class Routing(NamedTuple):
@@ -120,8 +123,13 @@ def moe(x: Array, router: Array, wi: Array, wo: Array, *, k: int,
   routing = route(dense(x, router, dtype=jnp.float32), k=k,
                   capacity_factor=capacity_factor)
   xe = jnp.einsum("blec,bld->becd", routing.dispatch.astype(dtype), x.astype(dtype))
-  xe = partition.constrain(xe, EXPERT_IN)
-  ye = experts(xe, wi, wo, activation=activation, dtype=dtype)
+  # Each reshard is pinned on both sides (TOKEN_SLOTS <-> EXPERT_IN), so the dispatch and the
+  # combine are each one all-to-all, forward and (as the constraints transpose) backward:
+  # GShard's four. Unpinned, XLA gathered the combine's cotangent over the batch axes and
+  # re-gathered activations for the experts' weight gradients (twice GShard's bytes).
+  xe = partition.constrain(partition.constrain(xe, TOKEN_SLOTS), EXPERT_IN)
+  ye = partition.constrain(experts(xe, wi, wo, activation=activation, dtype=dtype), EXPERT_IN)
+  ye = partition.constrain(ye, TOKEN_SLOTS)
   y = jnp.einsum("blec,becd->bld", routing.combine.astype(dtype), ye)
   aux = {"load_balance_loss": routing.load_balance_loss,
          "dropped_tokens": routing.dropped_tokens}
