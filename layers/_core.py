@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import functools
+
 import einops
 import jax
 import jax.numpy as jnp
@@ -96,6 +98,56 @@ def lookup_table(table: Array, batch_size: int) -> Array:
   vocab = _mesh_axes(rules.spec(("vocab",), table.shape[:1], mesh))
   batch = _mesh_axes(rules.spec(("batch",), (batch_size,), mesh))
   return partition.constrain(table, (None if vocab & batch else "vocab", None))
+
+
+def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
+  """Weights all-gathered over the batch's mesh axes (FSDP / ZeRO-3), once per use site.
+
+  Each weight of the tree ``weights`` (logical ``axes``: a matching tree of tuples) is
+  constrained to the sharding its axes resolve to with the batch's mesh axes taken out, so
+  the forward pass and the backward pass read the same gathered copy (ZeRO-3 keeps it for the
+  backward pass). Left to itself XLA gathered such a weight once per dot that reads it:
+  forward and again for the input gradient. The constraint's backward pass is the identity,
+  so the gradient goes from the dots' partial sums straight to the parameter's sharding (a
+  reduce-scatter over the batch axes), never through a replicated copy. Weights the batch's
+  mesh axes do not shard, and any weight without rules or mesh, are returned as they are.
+  """
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  if rules is None or mesh is None:
+    return weights
+  batch = _mesh_axes(rules.spec(("batch",), (batch_size,), mesh))
+
+  def one(w, names):
+    spec = rules.spec(tuple(names), w.shape, mesh)
+    kept = [_drop(entry, batch) for entry in spec]
+    if kept == list(spec):
+      return w
+    return _gathered(w, jax.sharding.PartitionSpec(*kept))
+
+  return jax.tree.map(one, weights, axes, is_leaf=lambda a: isinstance(a, tuple))
+
+
+def _drop(entry: Any, axes: set[str]) -> Any:
+  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
+  kept = tuple(a for a in names if a not in axes)
+  return kept[0] if len(kept) == 1 else (kept or None)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gathered(w: Array, spec: Any) -> Array:
+  return partition.constrain(w, spec)
+
+
+def _gathered_fwd(w, spec):
+  return _gathered(w, spec), None
+
+
+def _gathered_bwd(spec, _, g):
+  del spec
+  return (g,)
+
+
+_gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def embed(tokens: Array, table: Array, *, dtype: Any = None) -> Array:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import partition
 from layers import _core, _moe
 from layers._config import ConfigError, TransformerConfig
-from layers._params import check_tokens
+from layers._params import ParamSpec, block_params, check_tokens
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -52,6 +52,7 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
     ``(x, aux)``: the block output and ``{'load_balance_loss', 'dropped_tokens'}``.
   """
   c = config
+  p = _core.fsdp_gather(p, _block_axes(c), x.shape[0])
   h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
   h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
                       dtype=c.dtype)
@@ -64,6 +65,12 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
   else:
     h, aux = _core.mlp(p["mlp"], h, dtype=c.dtype), _core.no_aux()
   return partition.constrain(x + h, _core.EMBED), aux
+
+
+def _block_axes(config: TransformerConfig) -> dict[str, Any]:
+  """The logical axes of one block's params, as a tree of tuples."""
+  return jax.tree.map(lambda s: s.axes, block_params(config),
+                      is_leaf=lambda s: isinstance(s, ParamSpec))
 
 
 def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,
@@ -125,7 +132,8 @@ def _body(p: Params, x: Array, config: TransformerConfig, tokens: Array,
   """Embeddings -> final-normed hidden states (everything between lookup and logits)."""
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   x, aux = apply_blocks(p["blocks"], x, config, _core.decoder_mask(tokens, valid), positions)
-  return _core.rms_norm(x, p["final_norm"]["scale"], eps=config.norm_eps), aux
+  scale = _core.fsdp_gather(p["final_norm"]["scale"], ("embed",), tokens.shape[0])
+  return _core.rms_norm(x, scale, eps=config.norm_eps), aux
 
 
 def _tied_lm(config: TransformerConfig):
@@ -139,6 +147,9 @@ def _tied_lm(config: TransformerConfig):
   ``einsum``, so XLA reduces the table's gradient once. Same values up to float32 rounding.
   """
   def forward(table, rest, tokens, valid):
+    # One gathered copy of an FSDP-sharded table serves the lookup, the output projection
+    # and the backward pass (XLA would gather it once per use).
+    table = _core.fsdp_gather(table, ("vocab", "embed"), tokens.shape[0])
     x0 = partition.constrain(_core.embed(tokens, table, dtype=config.dtype), _core.EMBED)
     (h, aux), body_vjp = jax.vjp(lambda r, x: _body(r, x, config, tokens, valid), rest, x0)
     logits = partition.constrain(_core.attend(h, table, dtype=config.dtype), _core.LOGITS)
