@@ -20,8 +20,12 @@ The analytic terms (``S``: bytes of an array as model parallelism leaves it on a
 ``n``: devices of the reduction's axes; 4-byte floats):
 
 * gradients and parameters, ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward
-  Training Trillion Parameter Models", SC'20, §5 and §7.1): a parameter replicated over the
-  batch's mesh axes is all-reduced once per step, ``2 S (n-1)/n`` (data parallelism, whatever
+  Training Trillion Parameter Models", SC'20, §5 and §7.1), over the mesh axes the tokens
+  are split on (the batch's and, with sequence parallelism, the sequence's: each sequence
+  device computes its chunk's share of every replicated weight's gradient, so the gradient
+  is summed over data x sequence, as Megatron-Core's context parallelism reduces it over
+  its data x context group): a parameter replicated over those axes is all-reduced once per
+  step, ``2 S (n-1)/n`` (data parallelism, whatever
   the micro-batch count); one sharded over ``f`` of them (ZeRO-3 / FSDP) is all-gathered
   once (``S (f-1)/f``; the gathered weights are kept for the backward pass, so not the
   paper's second gather), its gradient reduce-scattered (``S (f-1)/f``) and the shard
@@ -105,15 +109,12 @@ CAUSES = {
     "data_parallel": _TIED,
     "fsdp": _TIED + " (per micro-batch with k > 1)",
     "tensor_parallel": _TIED + " (over 'data'; the tensor axis is within 1 % of Megatron)",
-    "sequence_parallel": "XLA reduces the gradients in two stages, an all-reduce over "
-                         "'sequence' and one over 'data' (2 S 3/4 + 2 S 1/2 = 2.5 S) instead of "
-                         "one over data x sequence (1.75 S); plus the tied embedding's second "
-                         "operand",
-    "expert_parallel": "10 all-gathers over the batch axes (4 over data x expert, 2 over data: "
-                       "activations around the expert layers, not parameters, which are "
-                       "replicated or expert-sharded); not isolated further",
-    "fsdp_tp": "24 all-gathers over 'fsdp' (more than one per weight) and the tied "
-               "embedding's second operand; not isolated further",
+    # fixed (issue 16): sequence_parallel (dense and the tied table contract the tokens in
+    # layers._core.token_major's layout: one all-reduce over data x sequence, where XLA
+    # reduced over 'sequence' then 'data'); expert_parallel (layers._moe pins both sides of
+    # the all-to-all: XLA had gathered activations over the batch axes around the experts);
+    # fsdp_tp (layers._core.fsdp_gather: one gather per weight, XLA had re-gathered each for
+    # the backward pass).
 }
 
 
@@ -138,6 +139,8 @@ def _ring(kind: str, size: float, n: int) -> float:
 def zero_bytes(param_axes: Any, params: Any, rules: partition.AxisRules, mesh: Any,
                batch_mesh_axes: tuple[str, ...], k: int = 1) -> float:
   """Gradient reduction and parameter gathering per device and step (ZeRO §5, §7.1).
+
+  ``batch_mesh_axes``: the mesh axes the tokens are split on (``Case.token_mesh_axes``).
 
   For each parameter: ``S`` = its bytes after the model-parallel axes of its spec (those not
   carrying the batch, plus a batch axis its ``expert`` dim lies on: expert weights are used
@@ -177,7 +180,11 @@ def megatron_bytes(cfg: layers.TransformerConfig, tokens: int, t: int) -> float:
 def sequence_bytes(cfg: layers.TransformerConfig, tokens: int, q: int) -> float:
   """Per layer: all-gather K and V (``[tokens, kv_heads, head_dim]``, ``tokens`` the whole
   sequences a device's rows hold) over the ``q`` sequence devices, reduce-scatter their
-  gradients backward."""
+  gradients backward.
+
+  ``tokens`` is ``rows * length`` (the gathered K/V a device holds, read in the HLO:
+  ``f32[rows, length, kv_heads, head_dim]``); an earlier version multiplied it by ``q``
+  once more, counting each gather ``q`` times its size."""
   kv = tokens * cfg.num_kv_heads * cfg.head_dim * F32
   return cfg.num_layers * 2 * (_ring("all-gather", kv, q) + _ring("reduce-scatter", kv, q))
 
@@ -199,14 +206,15 @@ def analytic_terms(case: Case) -> dict[str, float]:
   ``sequence``, ``expert``."""
   cfg, mesh, batch_axes = case.cfg, case.mesh, case.batch_mesh_axes
   k = 1 if case.grad_reduction == "once" else case.k  # gradient reductions per step
-  terms = {"zero": zero_bytes(case.axes, case.params, case.rules, mesh, batch_axes, k)}
+  terms = {"zero": zero_bytes(case.axes, case.params, case.rules, mesh,
+                             case.token_mesh_axes, k)}
   replicas = math.prod(mesh.shape[a] for a in batch_axes)
   if "tensor" in mesh.shape:
     terms["megatron"] = megatron_bytes(cfg, case.n * case.length // replicas,
                                        mesh.shape["tensor"])
   if "sequence" in mesh.shape:
     q = mesh.shape["sequence"]
-    terms["sequence"] = sequence_bytes(cfg, case.n * case.length * q // replicas, q)
+    terms["sequence"] = sequence_bytes(cfg, case.n * case.length // replicas, q)
   if "expert" in mesh.shape and cfg.num_experts:
     terms["expert"] = expert_bytes(cfg, case.n // replicas, case.length, mesh.shape["expert"])
   return terms
@@ -258,6 +266,14 @@ class Case:
   ours: Any = None
   base: Any = None
   args: tuple = ()
+
+  @property
+  def token_mesh_axes(self) -> tuple[str, ...]:
+    """The mesh axes the tokens are split on: the batch's, then the sequence's (``length``)
+    where the rules shard it; weights' gradients are summed over all of them."""
+    length = _names(tuple(self.rules.spec(("length",), (self.length,), self.mesh))[0]
+                    if self.length else None)
+    return self.batch_mesh_axes + tuple(a for a in length if a not in self.batch_mesh_axes)
 
   def context(self):
     @contextlib.contextmanager
@@ -360,7 +376,7 @@ def run(quick: bool) -> Section:
 def excess_note(case: Case, stats: Any, terms: dict[str, float]) -> str:
   """Where the measured bytes exceed the analytic terms: per term, the collectives over its
   mesh axes (measured), with what they are."""
-  batch = set(case.batch_mesh_axes)
+  batch = set(case.token_mesh_axes)
   model_axis = {"megatron": "tensor", "sequence": "sequence", "expert": "expert"}
   parts = []
   for term, want in terms.items():

@@ -27,10 +27,10 @@ logits             ``('batch', 'length', 'vocab')``
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable
 from typing import Any
-
-import functools
 
 import einops
 import jax
@@ -71,8 +71,55 @@ def dense(x: Array, kernel: Array, bias: Array | None = None, *, contract: int =
   (2, 3, 5)
   """
   dtype = x.dtype if dtype is None else dtype
-  y = jnp.tensordot(x.astype(dtype), kernel.astype(dtype), axes=contract)
+  x, kernel = x.astype(dtype), kernel.astype(dtype)
+  if x.ndim - contract == 2:  # (batch, length, *in): see token_major
+    y = token_major(jnp.tensordot(token_major(x), kernel, axes=contract), undo=x.shape[:2])
+  else:
+    y = jnp.tensordot(x, kernel, axes=contract)
   return y if bias is None else y + bias.astype(dtype)
+
+
+def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) -> Array:
+  """``(..., batch, length, ...)`` -> ``(..., q * batch, length / q, ...)`` when the rules
+  shard both ``batch`` (mesh axes ``B``) and ``length`` (mesh axes ``Q``, ``q`` devices):
+  sequence parallelism. Else ``x`` itself. ``undo=(batch, length)`` inverts it.
+
+  Each device's tokens stay where they are (local reshapes and a transpose): the merged dim
+  is sharded over ``Q + B`` jointly. A dot contracting it reduces over all of ``B x Q`` in
+  one all-reduce, where XLA reduces a dot contracting ``batch`` and ``length`` separately
+  (one all-reduce over ``Q``, then one over ``B``: ``2 S (q-1)/q + 2 S (b-1)/b`` bytes
+  instead of ``2 S (bq-1)/(bq)``). :func:`dense` computes in this layout, so its weight
+  gradient is reduced once.
+  """
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  if rules is None or mesh is None:
+    return x
+  b, length = undo if undo is not None else x.shape[dim:dim + 2]
+  spec = rules.spec(("batch", "length"), (b, length), mesh)
+  batch, seq = (_names(e) for e in (*spec, None, None)[:2])
+  q = math.prod(mesh.shape[a] for a in seq)
+  if not batch or not seq or length % q:
+    return x
+  lead, rest = x.shape[:dim], x.shape[dim + 2:]
+  free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * len(rest)
+  P = jax.sharding.PartitionSpec
+  split = P(*(P.UNCONSTRAINED,) * dim, _entry(batch), _entry(seq), None, *free)
+  merged = P(*(P.UNCONSTRAINED,) * dim, _entry(seq + batch), None, *free)
+  if undo is None:
+    x = partition.constrain(jnp.reshape(x, (*lead, b, q, length // q, *rest)), split)
+    x = jnp.swapaxes(x, dim, dim + 1)
+    return partition.constrain(jnp.reshape(x, (*lead, q * b, length // q, *rest)), merged)
+  x = partition.constrain(x, merged)
+  x = jnp.swapaxes(jnp.reshape(x, (*lead, q, b, length // q, *rest)), dim, dim + 1)
+  return jnp.reshape(partition.constrain(x, split), (*lead, b, length, *rest))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+  return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
+def _entry(names: tuple[str, ...]) -> Any:
+  return names[0] if len(names) == 1 else names
 
 
 def _mesh_axes(spec: Any) -> set[str]:

@@ -164,8 +164,9 @@ def _tied_lm(config: TransformerConfig):
     drest, dx0 = body_vjp((dh.astype(h.dtype), daux))
     onehot = partition.constrain(jax.nn.one_hot(tokens, table.shape[0], dtype=dtype),
                                  _core.LOGITS)
-    dtable = jnp.einsum("sblv,sble->ve", jnp.stack([onehot, dlogits]),
-                        jnp.stack([dx0.astype(dtype), h.astype(dtype)]))
+    dtable = jnp.einsum("sblv,sble->ve", _core.token_major(jnp.stack([onehot, dlogits]), dim=1),
+                        _core.token_major(jnp.stack([dx0.astype(dtype), h.astype(dtype)]),
+                                          dim=1))
     return dtable.astype(table.dtype), drest, None, None
 
   lm = jax.custom_vjp(lambda table, rest, tokens, valid: forward(table, rest, tokens,
