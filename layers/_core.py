@@ -156,7 +156,9 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
   backward pass). Left to itself XLA gathered such a weight once per dot that reads it:
   forward and again for the input gradient. The constraint's backward pass is the identity,
   so the gradient goes from the dots' partial sums straight to the parameter's sharding (a
-  reduce-scatter over the batch axes), never through a replicated copy. Weights the batch's
+  reduce-scatter over the batch axes), never through a replicated copy. An ``expert`` dim
+  keeps its mesh axes even when they are the batch's (expert parallelism moves the tokens to
+  the experts, not the experts to the tokens). Weights the batch's
   mesh axes do not shard, and any weight without rules or mesh, are returned as they are.
   """
   rules, mesh = partition.current_rules(), partition.current_rules_mesh()
@@ -166,7 +168,8 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
 
   def one(w, names):
     spec = rules.spec(tuple(names), w.shape, mesh)
-    kept = [_drop(entry, batch) for entry in spec]
+    kept = [entry if name == "expert" else _drop(entry, batch)  # experts stay put
+            for name, entry in zip(names, spec)]
     if kept == list(spec):
       return w
     return _gathered(w, jax.sharding.PartitionSpec(*kept))

@@ -6,6 +6,7 @@ activations forward and 2 backward per layer), a tied embedding whose gradient i
 once, and an FSDP embedding lookup that never moves the batch's tokens or activations.
 """
 
+import math
 import pathlib
 import re
 
@@ -51,7 +52,9 @@ def _collectives(text):
   return out
 
 
-def _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch):
+def _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch, pinned=False):
+  """The optimized HLO of ``jit(grad(loss))``; ``pinned``: the gradients come out in the
+  parameters' shardings (as an optimizer step reads them), not left to XLA."""
   mesh = jax.make_mesh(mesh_shape, axis_names, axis_types=(AxisType.Auto,) * len(mesh_shape))
   rules = partition.AxisRules.from_file(PRESETS / f"{preset}.yaml")
   model = layers.linen.Transformer(cfg)
@@ -65,8 +68,9 @@ def _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch):
     logp = jax.nn.log_softmax(model.apply(params, tokens))
     return -jnp.mean(jnp.take_along_axis(logp, tokens[..., None], axis=-1))
 
+  out = jax.tree.map(lambda x: x.sharding, params) if pinned else None
   with partition.axis_rules(rules, mesh):
-    return jax.jit(jax.grad(loss)).lower(params, tokens).compile().as_text()
+    return jax.jit(jax.grad(loss), out_shardings=out).lower(params, tokens).compile().as_text()
 
 
 def _activation_all_reduces(text, activation):
@@ -114,3 +118,50 @@ def test_embedding_lookup_never_gathers_the_batch(preset, mesh_shape, axis_names
     if kind == "all-gather":
       assert all(s[:2] != (batch, LENGTH) for s in shapes), (shapes, names)
   assert "Involuntary full rematerialization" not in capfd.readouterr().err
+
+
+def _stats(preset, mesh_shape, axis_names, cfg, batch):
+  mesh = jax.make_mesh(mesh_shape, axis_names, axis_types=(AxisType.Auto,) * len(mesh_shape))
+  text = _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch, pinned=True)
+  return partition.collective_stats(text, mesh), text
+
+
+def test_fsdp_weight_is_gathered_once_per_step():
+  # ZeRO-3 keeps the gathered weight for the backward pass: one all-gather per FSDP-sharded
+  # weight (per layer: 2 norms, qkv, out, wi, wo; the final norm; the tied table), never a
+  # second one for the input gradient.
+  cfg = config(num_layers=2)
+  stats, _ = _stats("fsdp_tp", (2, 2, 2), ("data", "fsdp", "tensor"), cfg, batch=16)
+  assert stats.count("all-gather", "fsdp") == 6 * 2 + 1 + 1, stats
+  assert stats.count("all-gather") == stats.count("all-gather", "fsdp"), stats
+
+
+def _weight_matrix_shapes(cfg):
+  """The weights with 2+ dims (the tied table, per layer qkv, out, wi, wo)."""
+  from layers._params import transformer_params
+  specs = jax.tree.leaves(transformer_params(cfg), is_leaf=lambda s: hasattr(s, "axes"))
+  return [s.shape for s in specs if len(s.shape) >= 2]
+
+
+def test_sequence_parallel_weight_gradients_are_reduced_once_over_data_x_sequence():
+  # Every weight matrix's gradient (per layer qkv, out, wi, wo; the tied table) in one
+  # all-reduce over both token axes: no stage over 'sequence' then over 'data' for them
+  # (what is left over one axis alone: the norm scales and scalars, under 1 KiB here).
+  cfg = config(num_layers=2)
+  stats, _ = _stats("sequence_parallel", (2, 4), ("data", "sequence"), cfg, batch=4)
+  weights = 4 * sum(math.prod(s) for s in _weight_matrix_shapes(cfg))
+  assert stats.bytes("all-reduce", ("data", "sequence")) >= 2 * weights * 7 / 8, stats
+  for axes in (("data",), ("sequence",)):
+    assert stats.bytes("all-reduce", axes) < 1024, stats
+
+
+def test_expert_parallel_step_is_four_all_to_alls_per_moe_layer():
+  # GShard §2.2: dispatch and combine forward, their transposes backward; no all-gather of
+  # the dispatched tokens, the activations or the expert weights. What is gathered: the
+  # router kernel and the router's probabilities for top_k (last dim: the experts).
+  cfg = config(num_layers=2, num_experts=4, embed_dim=64, mlp_dim=256)
+  stats, text = _stats("expert_parallel", (2, 4), ("data", "expert"), cfg, batch=16)
+  assert stats.count("all-to-all") == 4 * 2, stats
+  gathered = [s for kind, shapes, _ in _collectives(text) if kind == "all-gather"
+              for s in shapes]
+  assert all(s[-1] == cfg.num_experts for s in gathered), (gathered, stats)
