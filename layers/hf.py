@@ -56,8 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from layers._config import TransformerConfig
-from partition import PartitionError
-from partition import atomic_write, format_message
+from partition import PartitionError, atomic_write, format_message
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM"}
