@@ -4,11 +4,22 @@ It sits at the repository root so that doctests in ``partition/``, ``layers/`` a
 and every test under ``tests/`` get the same setup.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache per test session, shared by the xdist workers and by the subprocesses
+# the tests start (they inherit the environment): many tests compile the same training step
+# (the README's commands, the notebooks, the job's own tests) and XLA's compile is most of
+# their time. A hit is the executable a fresh compile gives, so nothing a test checks changes;
+# a session starts empty, as CI does, and removes the folder when it ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="named-partition-jax-cache-")
+  atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
