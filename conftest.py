@@ -26,8 +26,10 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
-# Whole files that compile full training steps, execute notebooks, start processes or run large
-# property suites. `pytest -m "not slow"` skips them (and every test marked `slow` in its file).
+# Whole files that compile full training steps, execute notebooks, start processes, run a CLI
+# or large property suites, and modules whose doctests build whole Transformers. `pytest -m
+# "not slow"` skips them, and every test marked `slow` in its own file: the rule is a test that
+# takes over about 1.5 s on 2 cores (compiling a model, not checking a rule or a message).
 SLOW_FILES = frozenset({
   "tests/test_notebooks.py",
   "tests/test_benchmarks.py",
@@ -36,6 +38,14 @@ SLOW_FILES = frozenset({
   "tests/partition/test_fuzz_rules.py",
   "tests/partition/test_fuzz_xmap.py",
   "tests/recipes/test_multiprocess_train.py",
+  "tests/recipes/test_export.py",
+  "tests/recipes/test_explain_cli.py",
+  # doctests that build and run whole Transformers
+  "layers/_canonical.py",
+  "layers/_model.py",
+  "layers/haiku.py",
+  "layers/linen.py",
+  "layers/nnx.py",
 })
 _ROOT = Path(__file__).parent
 

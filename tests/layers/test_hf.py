@@ -50,12 +50,14 @@ def assert_logits_close(ours, theirs):
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("name", MODELS)
+@pytest.mark.slow
 def test_logits_match_transformers(name, framework):
   weights, cfg = layers.from_hf(DATA / name)
   tokens, expected = golden(name)
   assert_logits_close(logits_of(framework, weights, cfg, tokens), expected)
 
 
+@pytest.mark.slow
 def test_scanned_layers_match_too():
   weights, cfg = layers.from_hf(DATA / "qwen2")
   tokens, expected = golden("qwen2")
@@ -63,6 +65,7 @@ def test_scanned_layers_match_too():
   assert_logits_close(logits_of("linen", weights, scanned, tokens), expected)
 
 
+@pytest.mark.slow
 def test_every_field_matters():
   """The comparison can fail: a wrong rope_theta or norm epsilon, or a dropped bias or
   untied head, moves the logits far outside the tolerance."""
@@ -92,6 +95,7 @@ def test_configs():
   assert weights["blocks/attn/key/bias"].shape == (2, 2, 8)
 
 
+@pytest.mark.slow
 def test_sliding_window_limits_the_length():
   weights, cfg = layers.from_hf(DATA / "mistral")
   built = build("linen", cfg, tokens=jnp.zeros((1, 16), jnp.int32))
@@ -117,6 +121,7 @@ def test_round_trip_is_bit_exact(name, tmp_path):
     np.testing.assert_array_equal(original.slice(key)[:], written.slice(key)[:], err_msg=key)
 
 
+@pytest.mark.slow
 def test_round_trip_through_a_framework(tmp_path):
   """linen params -> to_canonical -> to_hf -> from_hf -> from_canonical: the same params."""
   weights, cfg = layers.from_hf(DATA / "llama")
@@ -313,6 +318,7 @@ def test_transformers_loads_to_hf_output(name, tmp_path):
   np.testing.assert_array_equal(logits, expected)   # same weights, same program: same bits
 
 
+@pytest.mark.slow
 def test_docs_hf_python_blocks_run(monkeypatch, tmp_path, capsys):
   """docs/hf.md: its Python snippets run as written (from the repository root)."""
   import re

@@ -57,6 +57,7 @@ def test_dense_with_axes_of_the_wrong_rank_says_how_to_fix():
 
 @pytest.mark.parametrize("source,scan", [("linen", False), ("nnx", True), ("nnx", False),
                                          ("haiku", True)])
+@pytest.mark.slow
 def test_canonical_round_trip_is_exact(source, scan):
   m = build(source, config(scan_layers=scan, num_experts=2, experts_per_token=1))
   weights = layers.to_canonical(m.params)
@@ -67,6 +68,7 @@ def test_canonical_round_trip_is_exact(source, scan):
     np.testing.assert_array_equal(np.asarray(back[name]), np.asarray(value))
 
 
+@pytest.mark.slow
 def test_from_canonical_into_an_nnx_module_returns_a_module():
   m = build("linen", config())
   model = layers.nnx.Transformer(config(), rngs=nnx.Rngs(5))
@@ -76,6 +78,7 @@ def test_from_canonical_into_an_nnx_module_returns_a_module():
                              rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_from_canonical_keeps_shardings_and_boxes():
   mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
   rules = partition.AxisRules([("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"),
@@ -92,6 +95,7 @@ def test_from_canonical_keeps_shardings_and_boxes():
                                         ["kernel"].value))
 
 
+@pytest.mark.slow
 def test_from_canonical_lists_missing_misshaped_and_unused_weights():
   m = build("haiku", config())
   weights = dict(layers.to_canonical(m.params))
@@ -108,6 +112,7 @@ def test_from_canonical_lists_missing_misshaped_and_unused_weights():
   assert "same TransformerConfig" in message
 
 
+@pytest.mark.slow
 def test_from_canonical_reports_a_stack_with_too_few_layers():
   weights = layers.to_canonical(build("linen", config()).params)
   three = build("nnx", config(num_layers=3))
@@ -117,6 +122,7 @@ def test_from_canonical_reports_a_stack_with_too_few_layers():
 
 @pytest.mark.parametrize("module", ["_config", "_core", "_model", "_moe", "_params", "_canonical",
                                     "linen", "nnx", "haiku"])
+@pytest.mark.slow
 def test_docstring_examples_run(module):
   # pyproject's testpaths collect doctests of partition/ only; run layers/' here.
   result = doctest.testmod(importlib.import_module(f"layers.{module}"), verbose=False)

@@ -68,6 +68,7 @@ FIELDS = dict(tie_embeddings=False, rope_theta=500_000.0, norm_eps=1e-5, qkv_bia
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 @pytest.mark.parametrize("fields", [{}, FIELDS], ids=["defaults", "llama3_qwen2_fields"])
+@pytest.mark.slow
 def test_model_equals_numpy_reference(framework, fields):
   cfg = config(**fields)
   m = build(framework, cfg)
@@ -89,6 +90,7 @@ def test_default_fields_are_the_previous_constants():
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_fields_give_equal_logits_in_three_frameworks(scan):
   cfg = config(scan_layers=scan, **FIELDS)
   models = {f: build(f, cfg, seed=i) for i, f in enumerate(FRAMEWORKS)}
@@ -115,6 +117,7 @@ def test_config_rejects_bad_architecture_fields():
 
 @pytest.mark.parametrize("framework,scan", [("linen", False), ("linen", True), ("nnx", False),
                                             ("nnx", True), ("haiku", False), ("haiku", True)])
+@pytest.mark.slow
 def test_fused_params_round_trip_through_canonical_bit_exact(framework, scan):
   # Dense MLP unrolled, MoE scanned: every fused kind in every framework.
   cfg = config(scan_layers=scan, qkv_bias=True, num_experts=2 if scan else 0,

@@ -44,6 +44,7 @@ def _close_trees(a, b):
 # (scanned, dense) is implied: unrolled dense logits agree across frameworks here, and
 # test_scanned_equals_unrolled checks scanned == unrolled within each framework.
 @pytest.mark.parametrize("scan,experts", [(False, 0), (False, 4), (True, 4)])
+@pytest.mark.slow
 def test_three_frameworks_give_the_same_logits_from_canonical_weights(scan, experts):
   cfg = config(scan_layers=scan, num_experts=experts)
   models = {f: build(f, cfg, seed=i) for i, f in enumerate(FRAMEWORKS)}
@@ -80,6 +81,7 @@ def _framework_shapes(params):
 
 
 @pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.slow
 def test_every_parameter_has_logical_axes_of_the_right_rank(scan):
   cfg = config(scan_layers=scan, num_experts=4)
   per_framework = {}
@@ -102,6 +104,7 @@ def test_every_parameter_has_logical_axes_of_the_right_rank(scan):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.slow
 def test_changing_a_future_token_never_changes_earlier_logits(framework):
   m = build(framework, config())
   logits = m.apply(m.params, TOKENS)
@@ -128,6 +131,7 @@ def _value_and_canonical_grad(m, params):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.slow
 def test_scanned_equals_unrolled(framework):
   unrolled, scanned = build(framework, config()), build(framework, config(scan_layers=True))
   weights = layers.to_canonical(unrolled.params)
@@ -142,6 +146,7 @@ def test_scanned_equals_unrolled(framework):
 @pytest.mark.parametrize("framework,scan,remat", [
     ("linen", True, "full"), ("nnx", True, "full"), ("haiku", True, "full"),
     ("linen", False, "dots"), ("haiku", False, "dots_no_batch")])
+@pytest.mark.slow
 def test_remat_equals_no_remat(framework, scan, remat):
   plain = build(framework, config(scan_layers=scan))
   rematted = build(framework, config(scan_layers=scan, remat=remat))
@@ -153,6 +158,7 @@ def test_remat_equals_no_remat(framework, scan, remat):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.slow
 def test_moe_transformer_reports_aux_losses(framework):
   cfg = config(num_experts=4, experts_per_token=2, scan_layers=framework == "nnx")
   m = build(framework, cfg)
@@ -169,6 +175,7 @@ def test_haiku_transformer_is_named_transformer():
   assert "transformer/embed" in params and "transformer/blocks_1/attn/qkv" in params
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_with_float32_params():
   fp32 = build("linen", config())
   weights = layers.to_canonical(fp32.params)

@@ -40,6 +40,7 @@ def _numpy_routing(logits, k, slots):
 
 
 @pytest.mark.parametrize("k,factor", [(1, 1.0), (2, 0.5), (2, 1.0), (3, 0.75)])
+@pytest.mark.slow
 def test_routing_respects_capacity_and_counts_drops(k, factor):
   logits = jax.random.normal(jax.random.key(k), (B, L, E)) * 2
   r = _moe.route(logits, k=k, capacity_factor=factor)
@@ -70,6 +71,7 @@ def test_load_balance_loss_matches_switch_formula():
 
 
 @pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.slow
 def test_moe_equals_dense_per_token_reference_when_nothing_is_dropped(k):
   w, x = _weights()
   y, aux = _moe.moe(x, **_fused(w), k=k, capacity_factor=E / k)   # capacity == length: no drops
@@ -88,6 +90,7 @@ def test_moe_equals_dense_per_token_reference_when_nothing_is_dropped(k):
   np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_dropped_tokens_get_no_expert_output():
   w, x = _weights(1)
   y, aux = _moe.moe(x, **_fused(w), k=1, capacity_factor=0.25)    # 1 slot per expert per sequence

@@ -79,6 +79,7 @@ CASES = [("linen", False, "fsdp_tp", 0), ("nnx", True, "fsdp_tp", 0),
 
 
 @pytest.mark.parametrize("framework,scan,table,experts", CASES)
+@pytest.mark.slow
 def test_sharded_forward_and_grad_equal_single_device(framework, scan, table, experts):
   rules = {"fsdp_tp": FSDP_TP, "expert": EXPERT}[table]
   cfg = config(scan_layers=scan, num_experts=experts, experts_per_token=2)

@@ -72,6 +72,7 @@ def _dense_cases():
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.slow
 def test_dense_equals_nn_dense(framework):
   y, p = _dense_cases()[framework](24, ("embed",), True)
   ref = nn.Dense(24).apply({"params": {"kernel": p["kernel"], "bias": p["bias"]}}, X)
@@ -79,6 +80,7 @@ def test_dense_equals_nn_dense(framework):
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.slow
 def test_dense_general_equals_nn_dense_general(framework):
   y, p = _dense_cases()[framework]((4, 6), ("embed",), False)
   assert y.shape == (2, 8, 4, 6)
@@ -86,6 +88,7 @@ def test_dense_general_equals_nn_dense_general(framework):
   _close(y, ref)
 
 
+@pytest.mark.slow
 def test_dense_contracting_two_dims_equals_dense_general():
   x = X.reshape(2, 8, 4, 4)
   module = layers.linen.Dense(5, ("heads", "head_dim"), ("embed",))
@@ -148,6 +151,7 @@ def _unfused(p):
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.slow
 def test_attention_equals_flax_multi_head_attention(framework):
   y, p, mask = _attention(framework, 4, 4, 8)
   stock = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, out_features=16,
@@ -156,6 +160,7 @@ def test_attention_equals_flax_multi_head_attention(framework):
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx"])
+@pytest.mark.slow
 def test_gqa_equals_mha_with_repeated_kv_heads(framework):
   y, p, mask = _attention(framework, 4, 2, 8)
   # Query heads 0,1 share kv head 0; 2,3 share kv head 1: repeat kv kernels per group.
@@ -196,6 +201,7 @@ def test_haiku_norms_equal_hk_norms():
   _close(y, ref)
 
 
+@pytest.mark.slow
 def test_haiku_attention_equals_hk_multi_head_attention():
   mask = nn.make_causal_mask(jnp.ones((2, 8)))
   y, p = _run_haiku(lambda x, m: layers.haiku.Attention(4, 4, 8, use_rope=False,
@@ -216,6 +222,7 @@ def test_haiku_attention_equals_hk_multi_head_attention():
 
 @pytest.mark.parametrize("activation,act", [("silu", lambda v: v / (1 + np.exp(-v))),
                                             ("relu", lambda v: np.maximum(v, 0))])
+@pytest.mark.slow
 def test_gated_mlp_equals_numpy(activation, act):
   w = _randomize({"g": jnp.zeros((16, 32)), "u": jnp.zeros((16, 32)),
                   "o": jnp.zeros((32, 16))})
@@ -225,6 +232,7 @@ def test_gated_mlp_equals_numpy(activation, act):
   _close(y, ref)
 
 
+@pytest.mark.slow
 def test_rope_is_a_rotation_that_depends_on_relative_position():
   q = jax.random.normal(jax.random.key(2), (1, 8, 2, 8))
   k = jax.random.normal(jax.random.key(3), (1, 1, 2, 8))

@@ -30,6 +30,7 @@ def _loss(m):
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.slow
 def test_value_and_grad_with_microbatches_equals_full_batch(framework):
   cfg = config(scan_layers=framework != "linen")
   m = build(framework, cfg, tokens=TOKENS)

@@ -180,6 +180,7 @@ def test_yaml_merge_keys_are_not_duplicates(tmp_path):
     ("self.yaml", "rules: &a [*a]\n"),
     ("nest.json", '{"rules": ' + "[" * 70 + "]" * 70 + "}"),
 ], ids=lambda v: v if isinstance(v, str) and len(v) < 24 else "-")
+@pytest.mark.slow
 def test_deep_nesting_is_a_clear_error_not_recursion(tmp_path, name, text):
   (tmp_path / name).write_text(text)
   with pytest.raises(RulesConfigError, match=r"nested (more deeply than Python can parse|more "

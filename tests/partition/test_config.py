@@ -173,6 +173,7 @@ def test_doc_yaml_and_toml_examples_load(tmp_path):
     assert len(AxisRules.from_file(path)) > 0
 
 
+@pytest.mark.slow
 def test_doc_python_examples_run(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   (tmp_path / "recipes").symlink_to(ROOT / "recipes")

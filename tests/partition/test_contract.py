@@ -100,6 +100,7 @@ def init_all(mesh, x):
 
 @pytest.mark.parametrize("shape", [(4, 2), (2, 2, 2)])
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.slow
 def test_same_partition_spec_tree_in_all_three(shape, axis_type):
   mesh = _mesh(shape, axis_type)
   x = jnp.ones((8, EMBED))
@@ -120,6 +121,7 @@ def test_same_partition_spec_tree_in_all_three(shape, axis_type):
   assert canonical("haiku", partition.logical_axes(boxed)) == AXES
 
 
+@pytest.mark.slow
 def test_equal_weights_same_outputs_on_mesh_as_on_one_device():
   mesh = _mesh((4, 2))
   x = jax.random.normal(jax.random.key(1), (8, EMBED))

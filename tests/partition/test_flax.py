@@ -169,6 +169,7 @@ def test_with_axes_errors():
     partition.flax.with_axes(nn.Dense, params={0: ("embed", "mlp")})
 
 
+@pytest.mark.slow
 def test_with_axes_on_a_sub_module_name_is_an_error_naming_it():
   Attn = partition.flax.with_axes(nn.MultiHeadDotProductAttention,
                                   params={"query": ("embed", "heads", "kv")})

@@ -100,6 +100,7 @@ def single_device_output(model, variables, x):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.slow
 def test_lm1b_prefix_axes_match_flax_and_outputs_match_one_device(axis_type):
   mesh = mesh_of(axis_type)
   model, tokens = Lm1bBlock(), jnp.arange(16).reshape(4, 4) % 32
@@ -189,6 +190,7 @@ def test_strict_lists_typos_and_indivisible_dims_in_one_error():
          "of 2)" in text
 
 
+@pytest.mark.slow
 def test_path_table_override_replaces_declared_axes():
   mesh, model = mesh_of(), Lm1bBlock()
   tokens = jnp.arange(16).reshape(4, 4) % 32

@@ -69,6 +69,7 @@ def _weight_reductions(stats, axes, kind):
 
 @pytest.mark.parametrize("schedule", ["auto", "per_microbatch", "once"])
 @pytest.mark.parametrize("setup", [DP, FSDP, FSDP_TP], ids=["dp", "fsdp", "fsdp_tp"])
+@pytest.mark.slow
 def test_every_schedule_equals_the_full_batch_on_one_device(setup, schedule):
   params, batch = _problem()
   step, rules, mesh = _step(setup, schedule)
@@ -81,6 +82,7 @@ def test_every_schedule_equals_the_full_batch_on_one_device(setup, schedule):
     assert g.sharding.is_equivalent_to(NamedSharding(mesh, want), g.ndim), name
 
 
+@pytest.mark.slow
 def test_data_parallel_reduces_gradients_once_with_4_microbatches():
   auto, _ = _compiled_stats(DP, "auto")
   per_micro, _ = _compiled_stats(DP, "per_microbatch")

@@ -31,6 +31,7 @@ class Mine(hk.Module):
     return partition.constrain(x @ w, ("batch", "mlp"))
 
 
+@pytest.mark.slow
 def test_path_table_init_sharded_specs_and_values():
   f = hk.transform(stock)
   x = jnp.ones((4, 8))
@@ -167,6 +168,7 @@ def test_layer_stack_get_parameter_gets_leading_stack_axis():
   np.testing.assert_array_equal(np.asarray(w), np.ones((4, 8, 8)))
 
 
+@pytest.mark.slow
 def test_layer_stack_param_axes_from_and_table_nested_and_per_layer_inputs():
   table = [(r"/w$", ("embed", "mlp")), (r"/b$", ("mlp",))]
 
@@ -225,6 +227,7 @@ def flagged(x, is_training):
   return hk.dropout(hk.next_rng_key(), 0.5, h) if is_training else h
 
 
+@pytest.mark.slow
 def test_python_flags_are_static_and_values_match_init():
   f = hk.transform(flagged)
   x = jnp.ones((4, 8))
@@ -398,6 +401,7 @@ def test_entry_points_name_bad_arguments():
     partition.haiku.eval_axes(hk.transform(stock), jax.random.key(0), x, param_axes=3)
 
 
+@pytest.mark.slow
 def test_layer_stack_state_made_by_set_state_gets_the_stack_axis():
   # BatchNorm's EMA 'average' is created by hk.set_state (no creator runs for it).
   f = hk.transform_with_state(lambda x: hk.layer_stack(2)(

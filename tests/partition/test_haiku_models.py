@@ -170,6 +170,7 @@ def _lm_fn(stacked, inside):
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer_stack"])
 @pytest.mark.parametrize("inside", [False, True], ids=["param_axes", "param_axes_from"])
+@pytest.mark.slow
 def test_transformer_init_sharded_on_explicit_mesh(stacked, inside):
   f = hk.transform(_lm_fn(stacked, inside))
   mesh = _mesh(AxisType.Explicit)
@@ -186,6 +187,7 @@ def test_transformer_init_sharded_on_explicit_mesh(stacked, inside):
 
 
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer_stack"])
+@pytest.mark.slow
 def test_transformer_apply_matches_single_device(stacked):
   f = hk.transform(_lm_fn(stacked, inside=True))
   mesh = _mesh(AxisType.Auto)
@@ -227,6 +229,7 @@ def resnet(images, is_training):
 IMAGES = np.random.RandomState(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
 
 
+@pytest.mark.slow
 def test_resnet_params_and_state_sharded_by_the_table():
   f = hk.transform_with_state(resnet)
   mesh = _mesh(AxisType.Explicit)
@@ -244,6 +247,7 @@ def test_resnet_params_and_state_sharded_by_the_table():
   assert ema.sharding.spec == P(None, None, None, "tensor")  # state is not replicated
 
 
+@pytest.mark.slow
 def test_resnet_apply_matches_single_device():
   f = hk.transform_with_state(resnet)
   mesh = _mesh(AxisType.Auto)

@@ -157,6 +157,7 @@ def test_plain_tree_is_all_none():
       "a": None, "b": [None]}
 
 
+@pytest.mark.slow
 def test_import_partition_does_not_import_flax_or_haiku():
   code = ("import sys, partition; bad = [m for m in ('flax', 'haiku') if m in sys.modules];"
           " print(bad); assert not bad, bad")

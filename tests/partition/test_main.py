@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_python_m_partition_reports_environment_and_passes_selfcheck():
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-m", "partition"], capture_output=True, text=True,

@@ -57,6 +57,7 @@ def shardings(model):
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.slow
 def test_mesh_axis_names_pass_through_as_flax_nnx_places_them(axis_type):
   mesh = mesh_of(axis_type=axis_type)
   rules = [("batch", "data")]  # no rule for 'model': it is the mesh axis, as in flax NNX
@@ -78,6 +79,7 @@ def test_mesh_axis_names_pass_through_as_flax_nnx_places_them(axis_type):
     np.testing.assert_allclose(out, theirs(x), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_logical_names_match_flax_resolver_and_one_device():
   mesh = mesh_of((2, 4), ("fsdp", "tensor"), AxisType.Auto)
   rules = [("embed", "fsdp"), ("mlp", "tensor")]

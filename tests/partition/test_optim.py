@@ -48,6 +48,7 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.slow
 def test_moments_take_param_shardings_and_one_step_equals_unsharded(name, mesh):
   make_tx, moments, count = OPTIMIZERS[name]
   tx = make_tx()
@@ -148,6 +149,7 @@ def test_state_axes_give_the_state_shardings_through_tree_shardings(mesh):
   assert all(a is None for a in jax.tree.leaves(plain_axes, is_leaf=lambda x: x is None))
 
 
+@pytest.mark.slow
 def test_nnx_state_update_with_value_and_grad_gradients(mesh):
   """On an nnx.State the optimizer state keeps the Param wrappers (the structure
   tx.init(state) has), so tx.update accepts the gradients value_and_grad returns for it."""

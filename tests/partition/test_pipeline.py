@@ -102,6 +102,7 @@ def check_against_one_device(num_layers, stages, repeats, other, axis_type=AxisT
 
 
 @pytest.mark.parametrize("num_layers,stages,repeats,other", FAST)
+@pytest.mark.slow
 def test_matches_one_device(num_layers, stages, repeats, other):
   check_against_one_device(num_layers, stages, repeats, other)
 
@@ -383,6 +384,7 @@ def test_circular_relayout_rounds_are_partial_permutations_of_minimal_count(stag
 
 
 @pytest.mark.parametrize("preset,other", [("pipeline_parallel", "data"), ("fsdp_pp", "fsdp")])
+@pytest.mark.slow
 def test_presets_put_layers_on_stage(preset, other):
   import pathlib
   path = (pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"

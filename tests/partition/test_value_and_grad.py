@@ -164,6 +164,7 @@ def test_microbatches_split_rows_strided_within_each_device(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["per_microbatch", "once"])
+@pytest.mark.slow
 def test_rng_is_folded_per_microbatch(schedule):
   mesh, rules = _mesh(), partition.AxisRules(TABLES["dp"])
   params, batch = _problem(rows=8)
@@ -199,6 +200,7 @@ def test_rng_is_folded_per_microbatch(schedule):
   assert not np.allclose(loss, sum(s[0] for s in same) / len(parts))
 
 
+@pytest.mark.slow
 def test_flax_linen_model_with_logical_constraints():
   """A linen model declaring axes with with_logical_partitioning and constraining its
   activations with nn.with_logical_constraint (flax's own API)."""
@@ -240,6 +242,7 @@ def test_flax_linen_model_with_logical_constraints():
   assert constraints(Mlp(constrained=True)) > constraints(Mlp(constrained=False))
 
 
+@pytest.mark.slow
 def test_haiku_model_with_path_rules():
   def forward(x):
     return hk.nets.MLP([16, 8], activation=jnp.tanh)(x)
@@ -314,6 +317,7 @@ def test_without_rules_or_mesh_it_is_plain_accumulation():
   _assert_close(step(params, batch), jax.value_and_grad(mlp_loss)(params, batch))
 
 
+@pytest.mark.slow
 def test_model_with_hard_coded_sharding_constraint():
   """A model that pins its activations with with_sharding_constraint(y, P('data', None))
   (inside plain xmap this fails: vmap's spmd_axis_name cannot appear in the spec)."""

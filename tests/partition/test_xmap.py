@@ -133,6 +133,7 @@ def _cotangents(seed=1):
 
 @params
 @types
+@pytest.mark.slow
 def test_grad_matches_positional(variant, axis_type):
   w, x = _data()
   cts = _cotangents()

@@ -37,6 +37,7 @@ def mesh():
 
 
 @pytest.mark.parametrize("rules_from", ["partition.axis_rules", "nn.logical_axis_rules"])
+@pytest.mark.slow
 def test_per_example_grads_of_a_model_that_constrains_activations(mesh, rules_from):
   model = _Constrained()
   params = model.init(jax.random.key(0), X[:1])

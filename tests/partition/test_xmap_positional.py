@@ -52,6 +52,7 @@ def _collectives(text):
 
 
 @TYPES
+@pytest.mark.slow
 def test_fsdp_accumulation_keeps_parameter_sharding(axis_type):
   mesh = _mesh(axis_type)
   w_np, x_np = _data()

@@ -29,6 +29,7 @@ def loss(w, x):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape, names", MESHES)
+@pytest.mark.slow
 def test_rules_file_equals_inline_equals_vmap(tmp_path, shape, names, kind):
   mesh = mesh_of(shape, names, kind)
   rules = write(tmp_path, "rules:\n  - [batch, data]\n  - [feature, tensor]\n")
@@ -78,6 +79,7 @@ def test_indivisible_batch_falls_back_to_the_next_rule():
   assert "while" not in f.lower(w, xs).as_text()
 
 
+@pytest.mark.slow
 def test_two_axes_priority_and_unruled_names(tmp_path):
   mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
   rules = write(tmp_path, """

@@ -323,6 +323,7 @@ MIXED = {
 
 
 @pytest.mark.parametrize("res", sorted(MIXED))
+@pytest.mark.slow
 def test_sum_over_mixed_axes(res, mesh42):
   x = _ints(8, 4, 3)
   kw = dict(axis_resources=MIXED[res], mesh=mesh42)
@@ -364,6 +365,7 @@ def test_broadcast_output_with_resources(res, mesh42):
 
 
 @pytest.mark.parametrize("res", sorted(SUM_RESOURCES))
+@pytest.mark.slow
 def test_grad_through_sum_matches_positional(res, mesh42):
   x = _floats(16, 3)
   w = _floats(3, seed=2)
@@ -373,6 +375,7 @@ def test_grad_through_sum_matches_positional(res, mesh42):
   _close(jax.grad(lambda w: f(w, x))(w), expected)
 
 
+@pytest.mark.slow
 def test_grad_through_psum_matches_positional(mesh8):
   x = _floats(8, 3)
   w = _floats(3, seed=2)

@@ -50,6 +50,7 @@ def planned():
   return explain.plan(config), train.build_run(config)
 
 
+@pytest.mark.slow
 def test_per_device_bytes_equal_the_real_shards(planned):
   plan, run = planned
   real = _by_path(run.state["params"])
@@ -68,6 +69,7 @@ def test_per_device_bytes_equal_the_real_shards(planned):
 
 
 @pytest.mark.parametrize("framework", ["haiku", "nnx"])
+@pytest.mark.slow
 def test_other_frameworks_per_device_bytes(framework):
   config = _config(f"framework={framework}")
   plan, run = explain.plan(config, compile=False), train.build_run(config)

@@ -50,6 +50,7 @@ def exported(trained, tmp_path_factory):
   return path
 
 
+@pytest.mark.slow
 def test_training_changed_the_params(trained):
   moved = [not np.array_equal(a, np.asarray(b)) for a, b in
            zip(jax.tree.leaves(trained["init"]), jax.tree.leaves(trained["params"]))]
@@ -69,6 +70,7 @@ def test_files_and_config(trained, exported):
   assert not list(exported.parent.glob("*.tmp*"))  # atomic writes leave nothing behind
 
 
+@pytest.mark.slow
 def test_linen_round_trip_is_exact(trained, exported):
   weights, model_config = export.load(exported)
   tokens = trained["tokens"]
@@ -81,6 +83,7 @@ def test_linen_round_trip_is_exact(trained, exported):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_haiku_logits_equal_linen(trained, exported):
   weights, model_config = export.load(exported)
   tokens = trained["tokens"]
@@ -124,6 +127,7 @@ def test_step_choice_and_errors(trained, tmp_path, capsys):
   assert not (tmp_path / "x.npz").exists()
 
 
+@pytest.mark.slow
 def test_bfloat16_params_round_trip_exactly(tmp_path):
   """npz has no bfloat16: weights are stored as float32 (exact) and cast back on loading."""
   out = tmp_path / "bf16"
@@ -149,6 +153,7 @@ def test_bfloat16_params_round_trip_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.slow
 def test_to_hf_round_trips_the_trained_params(trained, tmp_path, capsys):
   """--to hf: a transformers directory from which layers.from_hf gives back the trained
   params bit for bit (the default model ties its output layer: Llama, tied)."""

@@ -183,6 +183,7 @@ def test_unknown_preset_exits_2(tmp_path):
   assert code == 2 and "(did you mean 'fsdp'" in err
 
 
+@pytest.mark.slow
 def test_analytic_search_json_and_outputs(tmp_path):
   out = tmp_path / "best.yaml"
   code, text, _ = _cli("--devices", "8", "--chip", "h100", "--compile", "0", "--json",
