@@ -119,14 +119,12 @@ def _names(entry: Any) -> tuple[str, ...]:
 
 
 def _entry(names: tuple[str, ...]) -> Any:
-  return names[0] if len(names) == 1 else names
+  """A ``PartitionSpec`` entry for mesh axes ``names``: one name, a tuple, or None."""
+  return names[0] if len(names) == 1 else (names or None)
 
 
 def _mesh_axes(spec: Any) -> set[str]:
-  axes = set()
-  for entry in spec:
-    axes.update((entry,) if isinstance(entry, str) else entry or ())
-  return axes
+  return {axis for entry in spec for axis in _names(entry)}
 
 
 def lookup_table(table: Array, batch_size: int) -> Array:
@@ -178,9 +176,7 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
 
 
 def _drop(entry: Any, axes: set[str]) -> Any:
-  names = (entry,) if isinstance(entry, str) else tuple(entry or ())
-  kept = tuple(a for a in names if a not in axes)
-  return kept[0] if len(kept) == 1 else (kept or None)
+  return _entry(tuple(a for a in _names(entry) if a not in axes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

@@ -55,29 +55,42 @@ def test_readme_has_the_commands():
   assert len(train_commands) >= 11
 
 
-@pytest.mark.slow
-def test_readme_train_commands_run_as_printed(tmp_path, monkeypatch, capsys):
+# The planner's output config (README: recipes.plan --out runs/plan/best.yaml) is trained by
+# tests/recipes/test_plan.py::test_written_config_trains_unchanged.
+TRAIN_COMMANDS = [c for c in readme_commands("train")
+                  if c[:2] != ["--config", "runs/plan/best.yaml"] and c != ["resume=true"]]
+
+
+def _train_as_printed(args: list[str], folder, monkeypatch, capsys) -> str:
+  """``python -m recipes.train *args`` in ``folder`` (made tiny by TINY_RUN); its stderr."""
   from recipes import train
-  monkeypatch.chdir(tmp_path)  # relative out_dirs and files land here
-  (tmp_path / "my.yaml").write_text("framework: haiku\nseed: 3\n")
-  (tmp_path / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
-  (tmp_path / "tests").symlink_to(README.parent / "tests")  # init_from=tests/layers/data/hf/...
-  # the planner's output config (README: recipes.plan --out runs/plan/best.yaml) is trained by
-  # tests/recipes/test_plan.py::test_written_config_trains_unchanged
-  commands = [c for c in readme_commands("train") if c[:2] != ["--config", "runs/plan/best.yaml"]]
-  resume = [c for c in commands if c == ["resume=true"]]
-  for args in [c for c in commands if c not in resume] + resume:
-    extra = ["steps=3"] if args == ["resume=true"] else []  # one more step than the first run
-    given = {a.split("=", 1)[0] for a in args}  # a key the command sets stays as printed
-    if "init_from" in given:  # the checkpoint decides the model
-      given |= {t.split("=", 1)[0] for t in TINY_RUN if t.startswith("model.")}
-    code = train.main(args + [t for t in TINY_RUN if t.split("=", 1)[0] not in given] + extra)
-    err = capsys.readouterr().err
-    assert code == 0, (args, err)
-    if args == ["resume=true"]:
-      assert "resumed from step 2 of " in err
-  assert (tmp_path / "runs" / "default" / "summary.json").exists()
-  assert (tmp_path / "runs" / "microbatch" / "summary.json").exists()
+  monkeypatch.chdir(folder)  # relative out_dirs and files land here
+  (folder / "my.yaml").write_text("framework: haiku\nseed: 3\n")
+  (folder / "notes.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+  if not (folder / "tests").exists():
+    (folder / "tests").symlink_to(README.parent / "tests")  # init_from=tests/layers/data/hf/...
+  given = {a.split("=", 1)[0] for a in args}  # a key the command sets stays as printed
+  if "init_from" in given:  # the checkpoint decides the model
+    given |= {t.split("=", 1)[0] for t in TINY_RUN if t.startswith("model.")}
+  code = train.main(args + [t for t in TINY_RUN if t.split("=", 1)[0] not in given])
+  err = capsys.readouterr().err
+  assert code == 0, (args, err)
+  return err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args", TRAIN_COMMANDS, ids=lambda args: " ".join(args) or "default")
+def test_readme_train_command_runs_as_printed(args, tmp_path, monkeypatch, capsys):
+  _train_as_printed(args, tmp_path, monkeypatch, capsys)
+  out_dir = next((a.split("=", 1)[1] for a in args if a.startswith("out_dir=")), "runs/default")
+  assert (tmp_path / out_dir / "summary.json").exists()
+
+
+@pytest.mark.slow
+def test_readme_resume_command_continues_the_default_run(tmp_path, monkeypatch, capsys):
+  _train_as_printed([], tmp_path, monkeypatch, capsys)
+  err = _train_as_printed(["resume=true", "steps=3"], tmp_path, monkeypatch, capsys)
+  assert "resumed from step 2 of " in err  # one more step than the first run
 
 
 @pytest.mark.slow

@@ -8,15 +8,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from partition_testlib import mesh_of
 
 import partition
 from partition import AxisRules
 
 MESHES = [((8,), ("a",)), ((4, 2), ("a", "b")), ((2, 2, 2), ("a", "b", "c"))]
-
-
-def mesh_of(shape, names, kind):
-  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
 
 def rules_for(names):

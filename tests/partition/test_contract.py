@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from partition_testlib import mesh_of
 
 import partition
 import partition.flax
@@ -25,7 +26,7 @@ AXES = {"layer1": {"kernel": ("embed", "mlp"), "bias": ("mlp",)},
 
 def _mesh(shape=(4, 2), axis_type=AxisType.Auto):
   names = ("fsdp", "tensor")[: len(shape)] if len(shape) < 3 else ("data", "fsdp", "tensor")
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+  return mesh_of(shape, names, axis_type)
 
 
 # -- linen: nn.with_logical_partitioning + nn.with_logical_constraint -------------------------

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from partition_testlib import mesh_of
 
 import partition
 import partition.flax
@@ -31,7 +32,7 @@ class Block(nn.Module):
 
 def _mesh(shape, axis_type=AxisType.Explicit):
   names = MESHES[shape]
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+  return mesh_of(shape, names, axis_type)
 
 
 @pytest.mark.parametrize("shape", list(MESHES))

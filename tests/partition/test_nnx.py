@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from partition_testlib import mesh_of
 
 import partition
 import partition.nnx
@@ -32,7 +33,7 @@ class MLP(nnx.Module):
 
 
 def _mesh(shape=(4, 2), names=("fsdp", "tensor"), axis_type=AxisType.Explicit):
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+  return mesh_of(shape, names, axis_type)
 
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])

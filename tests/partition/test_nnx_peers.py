@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import partition_testlib
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
@@ -48,7 +49,7 @@ class LogicalMlp(nnx.Module):
 
 
 def mesh_of(shape=(4, 2), names=("data", "model"), axis_type=AxisType.Explicit):
-  return jax.make_mesh(shape, names, axis_types=(axis_type,) * len(names))
+  return partition_testlib.mesh_of(shape, names, axis_type)
 
 
 def shardings(model):

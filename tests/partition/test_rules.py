@@ -3,6 +3,7 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import partition_testlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,7 @@ NAMES = ("batch", "embed", "mlp", "heads", "kv", "length")
 
 def mesh_of(shape, names, explicit=False):
   kind = AxisType.Explicit if explicit else AxisType.Auto
-  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
+  return partition_testlib.mesh_of(shape, names, kind)
 
 
 # -- construction ---------------------------------------------------------------------------

@@ -5,16 +5,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from partition_testlib import mesh_of
 
 import partition
 from partition import AxisRules, Mean, SerialLoop
 
 MESHES = [((8,), ("data",)), ((4, 2), ("data", "tensor"))]
 KINDS = [AxisType.Auto, AxisType.Explicit]
-
-
-def mesh_of(shape, names, kind):
-  return jax.make_mesh(shape, names, axis_types=(kind,) * len(names))
 
 
 def write(tmp_path, text, name="rules.yaml"):
