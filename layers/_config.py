@@ -39,7 +39,7 @@ def remat_policy(name: str) -> Any:
 
 def _positive(cfg: TransformerConfig) -> list[str]:
   names = ("vocab_size", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim",
-           "num_layers", "max_len")
+           "num_layers", "max_len", "pipeline_repeats")
   return [f"{n}={getattr(cfg, n)!r} must be a positive int" for n in names
           if not isinstance(getattr(cfg, n), int) or getattr(cfg, n) < 1]
 
@@ -51,6 +51,9 @@ def _relations(cfg: TransformerConfig) -> list[str]:
     problems.append(f"num_heads={cfg.num_heads} is not a multiple of num_kv_heads="
                     f"{cfg.num_kv_heads}: each kv head serves a whole group of query heads "
                     "(use a divisor of num_heads)")
+  if not isinstance(cfg.pipeline_microbatches, int) or cfg.pipeline_microbatches < 0:
+    problems.append(f"pipeline_microbatches={cfg.pipeline_microbatches!r} must be an int >= 0 "
+                    "(0 = one micro-batch per pipeline stage)")
   if not isinstance(cfg.num_experts, int) or cfg.num_experts < 0:
     problems.append(f"num_experts={cfg.num_experts!r} must be an int >= 0 (0 = dense MLP)")
   elif cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
@@ -113,6 +116,12 @@ class TransformerConfig:
     rope_theta: the rotary base (period ``2 pi theta`` for the slowest pair of dims).
     norm_eps: epsilon of every RMSNorm (HF ``rms_norm_eps``).
     qkv_bias: add biases to the query, key and value projections (Qwen2).
+    pipeline_microbatches: when the rules map ``layers`` to a mesh axis (a pipeline over
+      stages, ``partition.pipeline``), the micro-batches ``m`` that flow through the stages;
+      0 = one per stage. The idle share is ``(p - 1) / (r m + p - 1)``: more micro-batches,
+      a smaller bubble.
+    pipeline_repeats: chunks of consecutive blocks per stage, ``r``: 1 is GPipe, ``r > 1``
+      the circular schedule (``num_layers`` a multiple of stages x ``r``).
 
   Raises:
     ConfigError: listing every invalid field and how to fix it.
@@ -136,6 +145,8 @@ class TransformerConfig:
   rope_theta: float = 10_000.0
   norm_eps: float = 1e-6
   qkv_bias: bool = False
+  pipeline_microbatches: int = 0
+  pipeline_repeats: int = 1
 
   def __post_init__(self):
     problems = _positive(self) + _relations(self)

@@ -121,7 +121,8 @@ def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: A
   carry = (x, *(a for a, b in zip((mask, positions), per_example) if b))
   shared = tuple(a for a, b in zip((mask, positions), per_example) if not b)
   out = partition.pipeline(layer, blocks, carry, consts=shared,
-                           microbatches=None)  # one per stage (partition.pipeline's default)
+                           microbatches=config.pipeline_microbatches or None,  # 0: one per stage
+                           repeats=config.pipeline_repeats)
   num_layers = jax.tree.leaves(blocks)[0].shape[0]
   aux = jax.tree.map(lambda a: jnp.zeros((num_layers, *a.shape), a.dtype), _core.no_aux())
   return out[0], aux

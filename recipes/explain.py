@@ -237,17 +237,16 @@ def plan(config, *, compile: bool = True,
 
 
 def pipeline_plan(config, rules, mesh):
-  """The ``partition.PipelinePlan`` the scanned blocks run with, or ``None`` (no stage axis).
-
-  The ``layers`` Transformer runs GPipe (one repeat) with one micro-batch per stage, what
-  ``partition.pipeline`` does by default."""
+  """The ``partition.PipelinePlan`` the scanned blocks run with, or ``None`` (no stage axis):
+  ``model.pipeline_microbatches`` micro-batches (0: one per stage) and
+  ``model.pipeline_repeats`` chunks per stage."""
   import partition
   stage = partition.stage_axis(rules, mesh)
   if stage is None or not config.model.scan_layers:
     return None
-  stages = mesh.shape[stage]
-  return partition.PipelinePlan(
-      stage, stages, 1, stages, config.model.num_layers)
+  stages, model = mesh.shape[stage], config.model
+  return partition.PipelinePlan(stage, stages, model.pipeline_repeats,
+                                model.pipeline_microbatches or stages, model.num_layers)
 
 
 def _pipeline_dict(plan) -> dict[str, Any]:

@@ -158,15 +158,22 @@ def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
   if stage is None:
     return []
   stages, layers_ = mesh.shape[stage], config.model.num_layers
+  repeats, micro = config.model.pipeline_repeats, config.model.pipeline_microbatches
+  chunks = stages * repeats
   problems = []
   if not config.model.scan_layers:
     problems.append(f"preset={config.preset} pipelines the block stack over '{stage}' "
                     f"({stages} stages), but model.scan_layers=false: set "
                     "model.scan_layers=true")
-  if layers_ % stages:
-    problems.append(f"model.num_layers={layers_} does not split into {stages} pipeline stages "
-                    f"(mesh {stage}={stages}): use a multiple of {stages}, e.g. "
-                    f"model.num_layers={max(stages, layers_ // stages * stages)}")
+  if layers_ % chunks:
+    what = f"{stages} pipeline stages" + (f" x {repeats} repeats" if repeats > 1 else "")
+    problems.append(f"model.num_layers={layers_} does not split into {what} "
+                    f"(mesh {stage}={stages}): use a multiple of {chunks}, e.g. "
+                    f"model.num_layers={max(chunks, layers_ // chunks * chunks)}")
+  if 0 < micro < stages:
+    problems.append(f"model.pipeline_microbatches={micro} is fewer than the {stages} pipeline "
+                    f"stages (mesh {stage}={stages}): every stage needs a micro-batch in "
+                    f"flight; use model.pipeline_microbatches={stages} or more (0 = {stages})")
   return problems
 
 

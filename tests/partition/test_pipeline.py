@@ -405,19 +405,27 @@ def test_presets_put_layers_on_stage(preset, other):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset,other", [("pipeline_parallel", "data"), ("fsdp_pp", "fsdp")])
-def test_layers_linen_transformer_pipelined_equals_one_device(preset, other):
+@pytest.mark.parametrize("preset,other,microbatches,repeats", [
+    ("pipeline_parallel", "data", 0, 1), ("fsdp_pp", "fsdp", 0, 1),
+    ("pipeline_parallel", "data", 8, 2)])  # TransformerConfig's pipeline fields
+def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, microbatches,
+                                                              repeats):
   import pathlib
 
   import layers
   import layers.linen
   import partition.flax
 
+  stages = 4
+  m = microbatches or stages
   cfg = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_heads=4,
-                                 num_kv_heads=2, head_dim=8, num_layers=4, scan_layers=True)
+                                 num_kv_heads=2, head_dim=8, num_layers=4 * repeats,
+                                 scan_layers=True, pipeline_microbatches=microbatches,
+                                 pipeline_repeats=repeats)
   rng = np.random.default_rng(2)
-  tokens = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
-  targets = jnp.asarray(rng.integers(0, 64, (8, 8)), jnp.int32)
+  rows = 2 * m  # each micro-batch splits over the other mesh axis (size 2)
+  tokens = jnp.asarray(rng.integers(0, 64, (rows, 8)), jnp.int32)
+  targets = jnp.asarray(rng.integers(0, 64, (rows, 8)), jnp.int32)
   model = layers.linen.Transformer(cfg)
 
   def loss(params, tokens, targets):
@@ -428,7 +436,7 @@ def test_layers_linen_transformer_pipelined_equals_one_device(preset, other):
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params, tokens, targets)
   rules = partition.AxisRules.from_file(
       pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / f"{preset}.yaml")
-  mesh = jax.make_mesh((2, 4), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
+  mesh = jax.make_mesh((2, stages), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     placed = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=rules,
                                          mesh=mesh)
@@ -443,7 +451,8 @@ def test_layers_linen_transformer_pipelined_equals_one_device(preset, other):
     # atol scaled by the tensor's magnitude: the pipeline and the FSDP split reorder sums
     np.testing.assert_allclose(np.asarray(g), w, rtol=RTOL, atol=RTOL * np.abs(w).max(),
                                err_msg=jax.tree_util.keystr(path))
-  assert TRIP_COUNT.findall(hlo).count(str(4 + 4 - 1)) == 2  # m = p = 4 by default
+  # the forward and the backward schedule: r m + p - 1 iterations each (m = p by default)
+  assert TRIP_COUNT.findall(hlo).count(str(repeats * m + stages - 1)) == 2
   # Inside the pipeline (the shard_map) nothing is gathered over 'stage' (size 4): each
   # stage's blocks stay on it. Outside it, XLA may split the tied-embedding logits over the
   # otherwise idle stage devices; that table is not stacked and lives on every stage.

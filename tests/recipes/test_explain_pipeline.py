@@ -29,6 +29,15 @@ def test_pipeline_stage_assignment_and_bubble():
   assert "pipeline over 'stage'" in text and "bubble (p-1)/(r m+p-1) = 42.9%" in text
 
 
+def test_pipeline_microbatches_and_repeats_from_the_model_config():
+  p = _plan("model.num_layers=8", "model.pipeline_microbatches=8", "model.pipeline_repeats=2")
+  info = p.to_dict()["pipeline"]
+  assert (info["stages"], info["microbatches"], info["repeats"]) == (4, 8, 2)
+  assert info["stage_layers"] == [[0, 4], [1, 5], [2, 6], [3, 7]]  # circular: chunk c on c % p
+  assert info["iterations"] == 2 * 8 + 4 - 1
+  assert info["bubble"] == partition.pipeline_bubble(4, 8, repeats=2) == 3 / 19
+
+
 def test_no_pipeline_without_a_stage_axis():
   config = load_config(overrides=["model.num_layers=2"])
   assert plan(config, compile=False).pipeline is None

@@ -159,6 +159,16 @@ MISTAKES = {  # overrides -> what the message must say (the key and the fix)
                                                  "batch_size=16"], [
         "batch_size=16 does not divide into 8 device shard(s)", "x 4 micro-batch(es)",
         "e.g. batch_size=32"]),
+    "pipeline layers not in stages x repeats": (
+        ["preset=pipeline_parallel", "mesh={data: 2, stage: 4}", "model.scan_layers=true",
+         "model.num_layers=4", "model.pipeline_repeats=2"], [
+            "model.num_layers=4 does not split into 4 pipeline stages x 2 repeats",
+            "use a multiple of 8, e.g. model.num_layers=8"]),
+    "fewer pipeline micro-batches than stages": (
+        ["preset=pipeline_parallel", "mesh={data: 2, stage: 4}", "model.scan_layers=true",
+         "model.num_layers=4", "model.pipeline_microbatches=2"], [
+            "model.pipeline_microbatches=2 is fewer than the 4 pipeline stages",
+            "use model.pipeline_microbatches=4 or more"]),
 }
 
 
