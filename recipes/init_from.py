@@ -34,7 +34,8 @@ import layers
 from partition import PartitionError, format_message
 
 # How the model runs, not what it computes: the run's config decides these.
-RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat")
+RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "pipeline_microbatches",
+              "pipeline_repeats")
 
 
 class InitFromError(PartitionError, ValueError):
