@@ -120,11 +120,11 @@ def build_model(path: str | pathlib.Path, config: Any, *, rules: Any,
     raise InitFromError(f"init_from={str(path)!r}: config.model {config.model} is not the "
                         f"checkpoint's {ckpt}. Build it with "
                         "recipes.init_from.resolve_model.")
-  # The framework's params (and their shardings) to fill; their random values are dropped.
+  # The framework's params as sharded shapes to fill (nothing allocated but the weights).
   model = model_lib.build(config.framework, config.model, seed=config.seed,
                           example=model_lib.example_tokens(config.batch_size,
                                                            min(config.seq_len,
                                                                config.model.max_len)),
-                          rules=rules, mesh=mesh)
+                          rules=rules, mesh=mesh, abstract=True)
   params = layers.from_canonical(weights, like=model.params)
   return dataclasses.replace(model, params=params)

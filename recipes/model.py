@@ -29,33 +29,44 @@ class Model:
 
 
 def build(framework: str, config: layers.TransformerConfig, *, seed: int, example: Any,
-          rules: partition.AxisRules, mesh: jax.sharding.Mesh) -> Model:
-  """Creates the model's params sharded on ``mesh`` (``example``: int tokens for shapes)."""
+          rules: partition.AxisRules, mesh: jax.sharding.Mesh, abstract: bool = False) -> Model:
+  """Creates the model's params sharded on ``mesh`` (``example``: int tokens for shapes).
+
+  With ``abstract=True`` nothing is allocated: the params are ``jax.ShapeDtypeStruct``s
+  with their shardings (``partition.{flax,nnx,haiku}.abstract_init``), a target to fill
+  with loaded weights (``layers.from_canonical(weights, like=model.params)``).
+  """
   builder = {"linen": _linen, "nnx": _nnx, "haiku": _haiku}[framework]
-  params, axes, apply = builder(config, seed, example, rules, mesh)
+  params, axes, apply = builder(config, seed, example, rules, mesh, abstract)
   return Model(framework, config, params, axes, apply)
 
 
-def _linen(config, seed, example, rules, mesh):
+def _linen(config, seed, example, rules, mesh, abstract):
   import partition.flax
   from layers import linen
 
   module = linen.Transformer(config)
-  boxed = partition.flax.init_sharded(module, jax.random.key(seed), example, rules=rules,
-                                      mesh=mesh)["params"]
+  init = partition.flax.abstract_init if abstract else partition.flax.init_sharded
+  boxed = init(module, jax.random.key(seed), example, rules=rules, mesh=mesh)["params"]
   return (partition.unbox(boxed), partition.logical_axes(boxed),
           lambda params, tokens: module.apply({"params": params}, tokens))
 
 
-def _nnx(config, seed, example, rules, mesh):
+def _nnx(config, seed, example, rules, mesh, abstract):
   from flax import nnx
 
   import partition.nnx
   from layers import nnx as layers_nnx
 
-  module = partition.nnx.init_sharded(
-      lambda: layers_nnx.Transformer(config, rngs=nnx.Rngs(seed)), rules=rules, mesh=mesh)
+  create = lambda: layers_nnx.Transformer(config, rngs=nnx.Rngs(seed))
+  if abstract:
+    module = nnx.merge(*partition.nnx.abstract_init(create, rules=rules, mesh=mesh))
+  else:
+    module = partition.nnx.init_sharded(create, rules=rules, mesh=mesh)
   graphdef, state, rest = nnx.split(module, nnx.Param, ...)
+  if abstract and jax.tree.leaves(rest):  # apply() would run on placeholders
+    raise RuntimeError("the NNX Transformer holds non-parameter state, which an abstract "
+                       "build cannot fill: build it with abstract=False")
   params = nnx.to_pure_dict(state)
   axes = _plain(partition.logical_axes(state))
   treedef = jax.tree_util.tree_structure(state)
@@ -69,7 +80,7 @@ def _nnx(config, seed, example, rules, mesh):
   return params, axes, apply
 
 
-def _haiku(config, seed, example, rules, mesh):
+def _haiku(config, seed, example, rules, mesh, abstract):
   import haiku as hk
 
   import partition.haiku
@@ -77,7 +88,8 @@ def _haiku(config, seed, example, rules, mesh):
 
   transformed = hk.transform(lambda tokens: layers_hk.Transformer(config)(tokens))
   key = jax.random.key(seed)
-  params = partition.haiku.init_sharded(transformed, key, example, rules=rules, mesh=mesh)
+  init = partition.haiku.abstract_init if abstract else partition.haiku.init_sharded
+  params = init(transformed, key, example, rules=rules, mesh=mesh)
   axes = partition.haiku.eval_axes(transformed, key, example)
   return (_plain(params), _plain(axes),
           lambda params, tokens: transformed.apply(params, None, tokens))

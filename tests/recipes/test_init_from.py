@@ -163,3 +163,23 @@ def test_train_cli_rejects_a_conflicting_model_override(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "model.num_layers=7, but the checkpoint has num_layers=2" in err
   assert "Drop these model.* overrides" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
+def test_the_params_to_fill_are_abstract_with_the_real_shardings(framework):
+  """build_model fills an abstract build (no random init beside the loaded weights): its
+  shapes, dtypes, shardings and logical axes are those of the real sharded init."""
+  from recipes import model as model_lib
+  config = run_config("llama", framework, "{data: 2, fsdp: 2, tensor: 2}")
+  mesh, rules = train.make_mesh(config), train.make_rules(config)
+  kwargs = dict(seed=0, example=model_lib.example_tokens(4, 12), rules=rules, mesh=mesh)
+  real = model_lib.build(framework, config.model, **kwargs)
+  abstract = model_lib.build(framework, config.model, abstract=True, **kwargs)
+  assert abstract.param_axes == real.param_axes
+  real_leaves, treedef = jax.tree.flatten(real.params)
+  abstract_leaves, abstract_treedef = jax.tree.flatten(abstract.params)
+  assert abstract_treedef == treedef
+  for want, got in zip(real_leaves, abstract_leaves, strict=True):
+    assert isinstance(got, jax.ShapeDtypeStruct)
+    assert (got.shape, got.dtype, got.sharding) == (want.shape, want.dtype, want.sharding)
