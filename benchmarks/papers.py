@@ -101,12 +101,6 @@ CASES = (
 )
 
 QUICK_CASES = (CASES[2], CASES[6])  # tensor_parallel, data_parallel k=4
-#: Known causes of a miss, by preset, measured in the HLO of this section's programs; appended
-#: to a row's note when it misses. Every row is within target today: the last three causes
-#: (an FSDP weight gathered again for the backward pass, weight gradients reduced in two
-#: stages under sequence parallelism, activations gathered around the experts) were fixed in
-#: `layers` (see benchmarks/README.md, section 8).
-CAUSES: dict[str, str] = {}
 
 
 def config(quick: bool, experts: int = 0) -> layers.TransformerConfig:
@@ -144,7 +138,7 @@ def zero_bytes(param_axes: Any, params: Any, rules: partition.AxisRules, mesh: A
   flat_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
   for logical, x in zip(flat_axes, jax.tree.leaves(params)):
     spec = rules.spec(logical, x.shape, mesh)
-    placed = [(name, axis) for name, e in zip(logical, spec) for axis in _names(e)]
+    placed = [(name, axis) for name, e in zip(logical, spec) for axis in partition.entry_axes(e)]
     local, fsdp = x.size * F32, 1
     for name, axis in placed:
       if axis in batch_mesh_axes and name != "expert":
@@ -227,12 +221,8 @@ def analytic_argument_bytes(case: Case) -> float:
 
 
 def _local_bytes(x: Any, spec: Any, mesh: Any) -> float:
-  split = math.prod(mesh.shape[a] for e in spec for a in _names(e))
+  split = math.prod(mesh.shape[a] for e in spec for a in partition.entry_axes(e))
   return x.size * x.dtype.itemsize / split
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 # ------------------------------------------------------------------------------- programs
@@ -262,7 +252,7 @@ class Case:
   def token_mesh_axes(self) -> tuple[str, ...]:
     """The mesh axes the tokens are split on: the batch's, then the sequence's (``length``)
     where the rules shard it; weights' gradients are summed over all of them."""
-    length = _names(tuple(self.rules.spec(("length",), (self.length,), self.mesh))[0]
+    length = partition.entry_axes(tuple(self.rules.spec(("length",), (self.length,), self.mesh))[0]
                     if self.length else None)
     return self.batch_mesh_axes + tuple(a for a in length if a not in self.batch_mesh_axes)
 
@@ -286,7 +276,7 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
   tx = optax.adamw(1e-3)
   loss = cross_entropy(model)
   params, axes, opt_state, batch, rows = sharded_inputs(model, tokens, tx, rules, mesh)
-  batch_mesh_axes = _names(tuple(rows.spec)[0] if len(rows.spec) else None)
+  batch_mesh_axes = partition.entry_axes(tuple(rows.spec)[0] if len(rows.spec) else None)
   m = math.prod(mesh.shape[a] for a in batch_mesh_axes)
   label = preset + (f" k={k}" if k > 1 else "") + (
       f" {grad_reduction}" if grad_reduction != "auto" else "")
@@ -386,8 +376,7 @@ def excess_note(case: Case, stats: Any, terms: dict[str, float]) -> str:
       parts.append(f"{term}: {got / 2**10:.1f} KiB measured vs {want / 2**10:.1f} KiB "
                    f"({', '.join(f'{n} {k}' for k, n in kinds.items())})")
   rest = stats.total_bytes - sum(terms.values())
-  cause = CAUSES.get(case.label.split(" ")[0], "")
-  return "; ".join(parts + [f"+{rest / 2**10:.1f} KiB in all"] + ([cause] if cause else []))
+  return "; ".join(parts + [f"+{rest / 2**10:.1f} KiB in all"])
 
 
 def _ops(stats: Any) -> str:

@@ -96,15 +96,16 @@ def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) 
     return x
   b, length = undo if undo is not None else x.shape[dim:dim + 2]
   spec = rules.spec(("batch", "length"), (b, length), mesh)
-  batch, seq = (_names(e) for e in (*spec, None, None)[:2])
+  batch, seq = (partition.entry_axes(e) for e in (*spec, None, None)[:2])
   q = math.prod(mesh.shape[a] for a in seq)
   if not batch or not seq or length % q:
     return x
   lead, rest = x.shape[:dim], x.shape[dim + 2:]
   free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * len(rest)
   P = jax.sharding.PartitionSpec
-  split = P(*(P.UNCONSTRAINED,) * dim, _entry(batch), _entry(seq), None, *free)
-  merged = P(*(P.UNCONSTRAINED,) * dim, _entry(seq + batch), None, *free)
+  split = P(*(P.UNCONSTRAINED,) * dim, partition.axes_entry(batch), partition.axes_entry(seq),
+            None, *free)
+  merged = P(*(P.UNCONSTRAINED,) * dim, partition.axes_entry(seq + batch), None, *free)
   if undo is None:
     x = partition.constrain(jnp.reshape(x, (*lead, b, q, length // q, *rest)), split)
     x = jnp.swapaxes(x, dim, dim + 1)
@@ -114,17 +115,8 @@ def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) 
   return jnp.reshape(partition.constrain(x, split), (*lead, b, length, *rest))
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-  return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
-def _entry(names: tuple[str, ...]) -> Any:
-  """A ``PartitionSpec`` entry for mesh axes ``names``: one name, a tuple, or None."""
-  return names[0] if len(names) == 1 else (names or None)
-
-
 def _mesh_axes(spec: Any) -> set[str]:
-  return {axis for entry in spec for axis in _names(entry)}
+  return {axis for entry in spec for axis in partition.entry_axes(entry)}
 
 
 def lookup_table(table: Array, batch_size: int) -> Array:
@@ -176,7 +168,7 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
 
 
 def _drop(entry: Any, axes: set[str]) -> Any:
-  return _entry(tuple(a for a in _names(entry) if a not in axes))
+  return partition.axes_entry(a for a in partition.entry_axes(entry) if a not in axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

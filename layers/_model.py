@@ -23,6 +23,7 @@ pipeline stages over ``layers``) replaces exactly this function.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,8 +68,10 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
   return partition.constrain(x + h, _core.EMBED), aux
 
 
+@functools.cache
 def _block_axes(config: TransformerConfig) -> dict[str, Any]:
-  """The logical axes of one block's params, as a tree of tuples."""
+  """The logical axes of one block's params, as a tree of tuples (read, never modified:
+  an unrolled stack asks once per block)."""
   return jax.tree.map(lambda s: s.axes, block_params(config),
                       is_leaf=lambda s: isinstance(s, ParamSpec))
 

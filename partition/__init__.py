@@ -70,6 +70,8 @@ from partition._errors import format_message as format_message
 from partition._explain import human_bytes as human_bytes
 from partition._io import atomic_write as atomic_write
 from partition._logical_axes import path_str as path_str
+from partition._mesh import axes_entry as axes_entry
+from partition._mesh import entry_axes as entry_axes
 
 # --- wiring: partition.axis_rules also sets flax's nn.logical_axis_rules (when flax is used) ---
 from partition._flax_hook import FLAX_RULES_HOOK as _FLAX_RULES_HOOK

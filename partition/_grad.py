@@ -418,8 +418,7 @@ def _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh):
   x = leaves[0][1]
   spec = rules.spec(axes_leaves[0], np.shape(x), mesh)
   entry = tuple(spec)[dims[0]] if len(spec) > dims[0] else None
-  mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-  return mesh_axes, loops
+  return _mesh.entry_axes(entry), loops
 
 
 def _param_specs(param_axes, params, rules, mesh):

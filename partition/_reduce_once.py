@@ -34,6 +34,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._context import axis_rules
+from partition._mesh import axes_entry, entry_axes
 from partition._rules import AxisRules
 
 SCHEDULES = ("auto", "per_microbatch", "once")
@@ -42,7 +43,7 @@ _PLACEHOLDER = "{}@device_shard"
 
 def uses_axes(spec: PartitionSpec | None, axes: Sequence[str]) -> bool:
   """Does ``spec`` shard some dim over one of the mesh ``axes``?"""
-  return spec is not None and any(a in axes for e in spec for a in _names(e))
+  return spec is not None and any(a in axes for e in spec for a in entry_axes(e))
 
 
 def reduce_once_step(loss_fn: Callable, has_aux: bool, params: Any, batch: Any,
@@ -134,12 +135,6 @@ def _constrain_opt(constrain, x, spec):
   return x if spec is None else constrain(x, spec)
 
 
-def _names(entry) -> tuple[str, ...]:
-  if entry is None:
-    return ()
-  return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _entries(spec: PartitionSpec | None, ndim: int) -> list:
   e = list(spec or ())
   return e + [None] * (ndim - len(e))
@@ -149,8 +144,7 @@ def _without(spec: PartitionSpec | None, axes: Sequence[str], ndim: int) -> list
   """``spec``'s entries with the mesh ``axes`` removed (those dims then held whole)."""
   out = []
   for e in _entries(spec, ndim):
-    kept = tuple(a for a in _names(e) if a not in axes)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
+    out.append(axes_entry(a for a in entry_axes(e) if a not in axes))
   return out
 
 

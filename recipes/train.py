@@ -117,6 +117,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   Raises:
     TrainConfigError: naming the key and the fix.
   """
+  import partition
   from recipes.config import example_mesh, mesh_axes_of
   problems = []
   wanted = mesh_axes_of(rules)
@@ -136,7 +137,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   if not missing:
     spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
     entry = tuple(spec)[0] if len(spec) else None
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    axes = partition.entry_axes(entry)
     shards = math.prod(mesh.shape[a] for a in axes)
     k = effective_microbatches(config, rules)
     if config.batch_size % (shards * k):

@@ -3,23 +3,18 @@
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import partition_testlib
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from partition_testlib import mesh_of
 
 import partition
 from partition import AxisRules, SerialLoop
 
 MESH_AXES = ("x", "y", "z", "w")
 NAMES = ("batch", "embed", "mlp", "heads", "kv", "length")
-
-
-def mesh_of(shape, names, explicit=False):
-  kind = AxisType.Explicit if explicit else AxisType.Auto
-  return partition_testlib.mesh_of(shape, names, kind)
 
 
 # -- construction ---------------------------------------------------------------------------

@@ -183,3 +183,26 @@ def test_the_params_to_fill_are_abstract_with_the_real_shardings(framework):
   for want, got in zip(real_leaves, abstract_leaves, strict=True):
     assert isinstance(got, jax.ShapeDtypeStruct)
     assert (got.shape, got.dtype, got.sharding) == (want.shape, want.dtype, want.sharding)
+
+
+def test_build_model_runs_no_random_init(monkeypatch):
+  """The loaded weights are the only params ever created: a random sharded init would fail
+  here; the params hold the checkpoint's tensors (read back with safetensors' own reader)."""
+  import partition.flax
+  from safetensors.numpy import load_file
+
+  import layers
+
+  def no_init(*args, **kwargs):
+    raise AssertionError("build_model ran a random init beside the loaded weights")
+
+  monkeypatch.setattr(partition.flax, "init_sharded", no_init)
+  config = run_config("llama", "linen", "{data: 2, fsdp: 2, tensor: 2}")
+  model = init_from.build_model(DATA / "llama", config, rules=train.make_rules(config),
+                                mesh=train.make_mesh(config))
+  canonical = layers.to_canonical(model.params)
+  tensors = {}
+  for f in sorted((DATA / "llama").glob("*.safetensors")):
+    tensors.update(load_file(f))
+  np.testing.assert_array_equal(np.asarray(canonical["embed/embedding"]),
+                                tensors["model.embed_tokens.weight"])
