@@ -188,10 +188,10 @@ def test_the_params_to_fill_are_abstract_with_the_real_shardings(framework):
 def test_build_model_runs_no_random_init(monkeypatch):
   """The loaded weights are the only params ever created: a random sharded init would fail
   here; the params hold the checkpoint's tensors (read back with safetensors' own reader)."""
-  import partition.flax
   from safetensors.numpy import load_file
 
   import layers
+  import partition.flax
 
   def no_init(*args, **kwargs):
     raise AssertionError("build_model ran a random init beside the loaded weights")
