@@ -34,6 +34,7 @@ SLOW_FILES = frozenset({
   "tests/test_notebooks.py",
   "tests/test_benchmarks.py",
   "tests/test_readme.py",
+  "tests/recipes/test_readme_commands.py",
   "tests/partition/test_multiprocess.py",
   "tests/partition/test_fuzz_rules.py",
   "tests/partition/test_fuzz_xmap.py",

@@ -53,7 +53,8 @@ def default_config_path() -> pathlib.Path:
 
 def setup_devices(config: TrainConfig) -> None:
   """Before any JAX computation: join a multi-process run if asked, and give the CPU
-  backend as many virtual devices as the mesh needs (8 when it has a -1)."""
+  backend as many virtual devices as the mesh needs (8 when it has a -1). In a process where
+  JAX already runs, its devices are kept (``make_mesh`` checks that there are enough)."""
   import jax
 
   from recipes import distributed
@@ -65,7 +66,12 @@ def setup_devices(config: TrainConfig) -> None:
     wanted = config.distributed.local_devices
   elif distributed.num_processes(config.distributed) > 1:
     wanted = max(1, wanted // distributed.num_processes(config.distributed))
-  jax.config.update("jax_num_cpu_devices", wanted)
+  try:
+    jax.config.update("jax_num_cpu_devices", wanted)
+  except RuntimeError:
+    # JAX already started in this process (a notebook, a second run): its devices stay, and
+    # make_mesh says so if the mesh needs more of them.
+    pass
 
 
 def make_mesh(config: TrainConfig):

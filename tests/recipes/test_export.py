@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from job_testlib import TINY
 
 import layers
 from layers import haiku as layers_hk
@@ -21,21 +22,19 @@ from layers import nnx as layers_nnx
 from recipes import checkpoint, export, train
 from recipes.config import load_config
 
-TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
-        "seq_len=8", "steps=2", "eval_every=2", "eval_batches=1", "checkpoint_every=1",
-        "plot=false", "framework=linen"]
+RUN = [*TINY, "checkpoint_every=1", "framework=linen"]
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-  """A 2-step linen run (checkpoints at steps 1 and 2), its trained params and logits."""
+  """A 3-step linen run (checkpoints at steps 1, 2 and 3), its trained params and logits."""
   out = tmp_path_factory.mktemp("run")
-  config = load_config(train.default_config_path(), TINY + [f"out_dir={out}"])
+  config = load_config(train.default_config_path(), RUN + [f"out_dir={out}"])
   train.train(config, progress=False, out=open("/dev/null", "w"))
   run = train.build_run(config)
   init_params = jax.tree.map(np.asarray, run.state["params"])
   ckpt = checkpoint.Checkpointer(out / "checkpoints")
-  params = ckpt.restore_like(2, run.state)["params"]
+  params = ckpt.restore_like(3, run.state)["params"]
   ckpt.close()
   tokens = jax.random.randint(jax.random.key(7), (2, 8), 0, config.model.vocab_size)
   logits = np.asarray(run.model.apply(params, tokens))
@@ -59,14 +58,14 @@ def test_training_changed_the_params(trained):
 
 def test_files_and_config(trained, exported):
   doc = json.loads(exported.with_suffix(".json").read_text())
-  assert doc["framework"] == "linen" and doc["step"] == 2
+  assert doc["framework"] == "linen" and doc["step"] == 3
   weights, model_config = export.load(exported)
   assert model_config == trained["config"].model
   assert sorted(doc["weights"]) == sorted(weights)
   # every parameter exactly once, blocks stacked on a leading layers dim
   assert sum(w.size for w in weights.values()) == sum(
       x.size for x in jax.tree.leaves(trained["params"]))
-  assert weights["blocks/attn/query/kernel"].shape == (1, 16, 4, 16)
+  assert weights["blocks/attn/query/kernel"].shape == (1, 16, 2, 8)
   assert not list(exported.parent.glob("*.tmp*"))  # atomic writes leave nothing behind
 
 
@@ -117,7 +116,7 @@ def test_step_choice_and_errors(trained, tmp_path, capsys):
   assert export.main(["--checkpoint", str(trained["out"]), "--step", "7",
                       "--out", str(tmp_path / "x.npz")]) == 2
   assert "--step 7: no such checkpoint" in (err := capsys.readouterr().err)
-  assert "it has steps [1, 2]" in err
+  assert "it has steps [1, 2, 3]" in err
   assert export.main(["--checkpoint", str(tmp_path / "nope"), "--out",
                       str(tmp_path / "x.npz")]) == 2
   assert "does not exist. Pass the out_dir" in capsys.readouterr().err
@@ -132,7 +131,7 @@ def test_bfloat16_params_round_trip_exactly(tmp_path):
   """npz has no bfloat16: weights are stored as float32 (exact) and cast back on loading."""
   out = tmp_path / "bf16"
   config = load_config(train.default_config_path(),
-                       TINY + [f"out_dir={out}", "model.param_dtype=bfloat16",
+                       RUN + [f"out_dir={out}", "model.param_dtype=bfloat16",
                                "model.dtype=bfloat16"])
   run = train.build_run(config)  # a checkpoint as train() writes it (init params suffice)
   trained = run.state["params"]

@@ -1,9 +1,5 @@
-"""The training recipe: config errors, every preset and framework against one device, outputs,
-kill-and-resume, and checkpoints restored onto other meshes.
-
-Reference for the sharded runs: the same config on a one-device mesh with no micro-batching;
-the first steps' losses must agree in fp32 (init is sharding-invariant, gradients are those of
-the full batch)."""
+"""The training recipe: config errors, outputs, kill-and-resume, and checkpoints restored onto
+other meshes. Every preset and framework against one device: test_readme_commands.py."""
 
 import io
 import json
@@ -17,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from job_testlib import TINY, losses
 
 import partition
 from recipes import checkpoint, data, train
@@ -25,19 +22,10 @@ from recipes.config import TrainConfigError, load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
-TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_heads=2", "model.num_kv_heads=1",
-        "model.head_dim=8", "model.num_layers=1", "batch_size=16", "seq_len=8", "steps=3",
-        "eval_every=3", "eval_batches=1", "checkpoint_every=0", "plot=false", "log_every=1"]
-
 
 def _config(tmp_path, *overrides):
   return load_config(train.default_config_path(),
                      TINY + [f"out_dir={tmp_path}"] + list(overrides))
-
-
-def _losses(out_dir) -> list[float]:
-  lines = pathlib.Path(out_dir, "metrics.jsonl").read_text().splitlines()
-  return [json.loads(line)["loss"] for line in lines]
 
 
 def _run(tmp_path, name, *overrides, **kwargs):
@@ -144,6 +132,15 @@ def test_main_reports_config_errors(capsys):
   assert "(did you mean 'steps'?)" in capsys.readouterr().err
 
 
+def test_main_where_jax_already_runs_keeps_its_devices(tmp_path, capsys):
+  """A second run in one process (a notebook): JAX's devices stay, no raw JAX error."""
+  assert len(jax.devices()) == 8  # JAX has started
+  assert train.main(TINY + ["mesh={data: 16}", "preset=data_parallel", "batch_size=64",
+                            f"out_dir={tmp_path}"]) == 2
+  err = capsys.readouterr().err
+  assert "needs 16 devices, but 8 are available" in err and "Traceback" not in err
+
+
 MISTAKES = {  # overrides -> what the message must say (the key and the fix)
     "indivisible batch": (["batch_size=10"], [
         "batch_size=10 does not divide into 2 device shard(s)", "x 2 micro-batch(es)",
@@ -195,50 +192,8 @@ def test_partition_errors_exit_2(tmp_path, capsys):
   assert err.startswith("error: ") and "Traceback" not in err and "nonsense" in err
 
 
-# ---------------------------------------------------------------- strategies = one device
-
-PRESETS = {name: "{" + ", ".join(f"{k}: {v}" for k, v in mesh.items()) + "}"
-           for name, mesh in config_lib.PRESET_MESHES.items() if name != "expert_parallel"}
-
-
-@pytest.fixture(scope="module")
-def single_device_losses(tmp_path_factory):
-  cache = {}
-
-  def get(framework="linen", *extra):
-    key = (framework, extra)
-    if key not in cache:
-      out = _run(tmp_path_factory.mktemp("ref"), "ref", f"framework={framework}",
-                 "preset=data_parallel", "mesh={data: 1}", "microbatches=1", *extra)
-      cache[key] = _losses(out)
-    return cache[key]
-
-  return get
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_every_preset_equals_one_device(tmp_path, preset, single_device_losses):
-  # microbatch brings its own loop (SerialLoop(4) on 'batch', 32 = 8 x 4), which default.yaml's
-  # microbatches=2 does not override; every other preset runs default.yaml's 2 micro-batches
-  extra = ("batch_size=32",) if preset == "microbatch" else ()
-  out = _run(tmp_path, preset, f"preset={preset}", f"mesh={PRESETS[preset]}", *extra)
-  np.testing.assert_allclose(_losses(out), single_device_losses("linen", *extra), rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_expert_parallel_preset_equals_one_device(tmp_path, single_device_losses):
-  moe = ("model.num_experts=4", "model.experts_per_token=2")
-  out = _run(tmp_path, "ep", "preset=expert_parallel", "mesh={data: 2, expert: 4}", *moe)
-  np.testing.assert_allclose(_losses(out), single_device_losses("linen", *moe), rtol=1e-5)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("framework", ["nnx", "haiku"])
-def test_frameworks_with_microbatches_equal_one_device(tmp_path, framework,
-                                                       single_device_losses):
-  out = _run(tmp_path, framework, f"framework={framework}", "microbatches=4")
-  np.testing.assert_allclose(_losses(out), single_device_losses(framework), rtol=1e-5)
+# Every preset, framework and micro-batching against one device: the README's commands, in
+# tests/recipes/test_readme_commands.py.
 
 
 # ------------------------------------------------------------------------- outputs
@@ -265,11 +220,11 @@ def test_byte_level_lm_on_a_text_file(tmp_path):
   text = tmp_path / "corpus.txt"
   text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
   out = _run(tmp_path, "lm", f"data.path={text}", "model.vocab_size=256", "steps=2")
-  assert all(np.isfinite(_losses(out)))
+  assert all(np.isfinite(losses(out)))
   # At init the tied logits h . e_v have unit variance (h RMS-normed, embeddings of std
   # 1/sqrt(embed)), and the mean cross-entropy of N(0, 1) logits over V classes is about
   # log V + 1/2; the draw of one small batch moves it by a few percent.
-  assert _losses(out)[0] == pytest.approx(np.log(256) + 0.5, rel=0.05)
+  assert losses(out)[0] == pytest.approx(np.log(256) + 0.5, rel=0.05)
 
 
 # ------------------------------------------------------------------- checkpoints
@@ -310,7 +265,7 @@ def test_sigterm_midway_then_resume_gives_the_uninterrupted_run(tmp_path):
   train.train(_config(killed, *flags[len(TINY):], "resume=true"), progress=False,
               out=io.StringIO(), log=log)
   assert f"resumed from step {step} of {killed / 'checkpoints'}" in log.getvalue()
-  assert _losses(killed) == _losses(straight)  # bit-identical, steps 1..40
+  assert losses(killed) == losses(straight)  # bit-identical, steps 1..40
 
 
 def test_resumed_data_is_the_uninterrupted_data():
@@ -401,7 +356,7 @@ def test_a_diverging_loss_stops_keeping_the_last_good_checkpoint(tmp_path):
   ckpt = checkpoint.Checkpointer(out / "checkpoints")
   assert ckpt.latest_step() == step - 1
   ckpt.close()
-  assert all(np.isfinite(_losses(out)[:step - 1]))
+  assert all(np.isfinite(losses(out)[:step - 1]))
 
 
 @pytest.mark.slow
