@@ -8,6 +8,7 @@ other mesh axis. The compiled program is checked too: the parameters stay on the
 runs ``r m + p - 1`` iterations.
 """
 
+import functools
 import re
 
 import jax
@@ -50,6 +51,16 @@ def loss_sequential(params, x):
   return jnp.mean(sequential(params, x) ** 2)
 
 
+@functools.cache
+def sequential_reference(num_layers):
+  """The one-device stack's output and (loss, grads) on ``stack(num_layers)``, ``batch()``:
+  computed once per depth and shared by every test that compares against it."""
+  params, x = stack(num_layers), batch()
+  out = np.asarray(sequential(params, x))
+  loss, grads = jax.value_and_grad(loss_sequential)(params, x)
+  return out, float(loss), jax.tree.map(np.asarray, grads)
+
+
 def make_mesh(stages, axis_type=AxisType.Auto):
   return jax.make_mesh((stages, 8 // stages), ("stage", "data"), axis_types=(axis_type,) * 2)
 
@@ -64,6 +75,7 @@ def place(mesh, params, x, other):
   return params, x
 
 
+@functools.cache  # one jitted step per configuration: tests that compile the same one share it
 def pipelined_value_and_grad(mesh, microbatches, repeats, **kw):
   def loss(params, x):
     y = partition.pipeline(layer, params, x, microbatches=microbatches, repeats=repeats,
@@ -85,12 +97,12 @@ FAST = [(8, 2, 2, "fsdp")]
 
 def check_against_one_device(num_layers, stages, repeats, other, axis_type=AxisType.Auto):
   params, x = stack(num_layers), batch()
-  want_loss, want_grads = jax.value_and_grad(loss_sequential)(params, x)
+  _, want_loss, want_grads = sequential_reference(num_layers)
   mesh = make_mesh(stages, axis_type)
   with jax.set_mesh(mesh):
     placed = place(mesh, params, x, other)
     loss, grads = pipelined_value_and_grad(mesh, 4, repeats)(*placed)
-  np.testing.assert_allclose(float(loss), float(want_loss), rtol=RTOL)
+  np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
   assert_tree_close(grads, want_grads)
   # Gradients stay on their stage: total / stages bytes per device (less where XLA also
   # keeps the FSDP weight's gradient split over 'data'; the jit leaves that to propagation).
@@ -202,14 +214,15 @@ def test_parameter_bytes_per_device_are_total_over_stages():
 
 def test_stage_axis_from_rules_and_plain_scan_without_one():
   params, x = stack(8), batch()
-  want = sequential(params, x)
+  want = sequential_reference(8)[0]
   mesh = make_mesh(4)
   rules = partition.AxisRules([("layers", "stage"), ("batch", "data")])
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
-    got = jax.jit(lambda p, x: partition.pipeline(layer, p, x, microbatches=4))(
-        *place(mesh, params, x, "data"))
-    hlo = jax.jit(lambda p, x: partition.pipeline(layer, p, x, microbatches=4)).lower(
-        *place(mesh, params, x, "data")).compile().as_text()
+    placed = place(mesh, params, x, "data")
+    compiled = jax.jit(lambda p, x: partition.pipeline(layer, p, x, microbatches=4)).lower(
+        *placed).compile()
+    got = compiled(*placed)
+    hlo = compiled.as_text()
   np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
   assert re.search(r"\scollective-permute(?:-start)?\(", hlo)
   with partition.axis_rules([("layers", None)], mesh=mesh):
@@ -398,26 +411,20 @@ def test_presets_put_layers_on_stage(preset, other):
   params, x = stack(8), batch()
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     got = partition.pipeline(layer, params, x, microbatches=4)
-  np.testing.assert_allclose(got, sequential(params, x), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(got, sequential_reference(8)[0], rtol=RTOL, atol=ATOL)
 
 
 # -- the layers Transformer under pipeline rules --------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset,other,microbatches,repeats", [
-    ("pipeline_parallel", "data", 0, 1), ("fsdp_pp", "fsdp", 0, 1),
-    ("pipeline_parallel", "data", 8, 2)])  # TransformerConfig's pipeline fields
-def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, microbatches,
-                                                              repeats):
-  import pathlib
-
+@functools.cache
+def transformer_reference(microbatches, repeats):
+  """The model, its batch and loss, and the one-device (loss, grads) at ``model.init``: the
+  presets with the same pipeline fields (the same model and batch) share one reference."""
   import layers
   import layers.linen
-  import partition.flax
 
-  stages = 4
-  m = microbatches or stages
+  m = microbatches or 4  # stages = 4
   cfg = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_heads=4,
                                  num_kv_heads=2, head_dim=8, num_layers=4 * repeats,
                                  scan_layers=True, pipeline_microbatches=microbatches,
@@ -434,20 +441,36 @@ def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, mic
 
   params = model.init(jax.random.key(0), tokens)
   want_loss, want_grads = jax.jit(jax.value_and_grad(loss))(params, tokens, targets)
+  want_grads = [np.asarray(w) for w in jax.tree.leaves(partition.unbox(want_grads))]
+  return model, loss, tokens, targets, float(want_loss), want_grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset,other,microbatches,repeats", [
+    ("pipeline_parallel", "data", 0, 1), ("fsdp_pp", "fsdp", 0, 1),
+    ("pipeline_parallel", "data", 8, 2)])  # TransformerConfig's pipeline fields
+def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, microbatches,
+                                                              repeats):
+  import pathlib
+
+  import partition.flax
+
+  stages = 4
+  m = microbatches or stages
+  model, loss, tokens, targets, want_loss, flat_want = transformer_reference(microbatches,
+                                                                              repeats)
   rules = partition.AxisRules.from_file(
       pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / f"{preset}.yaml")
   mesh = jax.make_mesh((2, stages), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     placed = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=rules,
                                          mesh=mesh)
-    step = jax.jit(jax.value_and_grad(loss))
+    step = jax.jit(jax.value_and_grad(loss)).lower(placed, tokens, targets).compile()
     got_loss, got_grads = step(placed, tokens, targets)
-    hlo = step.lower(placed, tokens, targets).compile().as_text()
-  np.testing.assert_allclose(float(got_loss), float(want_loss), rtol=RTOL)
+    hlo = step.as_text()
+  np.testing.assert_allclose(float(got_loss), want_loss, rtol=RTOL)
   flat_got = jax.tree_util.tree_leaves_with_path(partition.unbox(got_grads))
-  flat_want = jax.tree.leaves(partition.unbox(want_grads))
   for (path, g), w in zip(flat_got, flat_want, strict=True):
-    w = np.asarray(w)
     # atol scaled by the tensor's magnitude: the pipeline and the FSDP split reorder sums
     np.testing.assert_allclose(np.asarray(g), w, rtol=RTOL, atol=RTOL * np.abs(w).max(),
                                err_msg=jax.tree_util.keystr(path))
