@@ -5,6 +5,7 @@ step's collectives (``partition.collective_stats``, loop trip counts included) s
 times gradients of parameter size cross the batch's mesh axes.
 """
 
+import functools
 import re
 
 import jax
@@ -19,10 +20,11 @@ AUTO = AxisType.Auto
 PARAM_AXES = {"w1": ("embed", "mlp"), "b1": ("mlp",), "w2": ("mlp", "embed")}
 BATCH_AXES = {"x": ("batch", "embed"), "y": ("batch", "embed")}
 EMBED, MLP, ROWS = 16, 32, 64
-DP = (((8,), ("data",)), [("batch", "data")])
-FSDP = (((8,), ("fsdp",)), [("batch", "fsdp"), ("embed", "fsdp")])
+# (mesh shape and names, rule pairs): tuples, so that a setup can key a cache
+DP = (((8,), ("data",)), (("batch", "data"),))
+FSDP = (((8,), ("fsdp",)), (("batch", "fsdp"), ("embed", "fsdp")))
 FSDP_TP = (((2, 2, 2), ("data", "fsdp", "tensor")),
-           [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor")])
+           (("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor")))
 
 
 def mlp_loss(params, batch):
@@ -49,6 +51,7 @@ def _step(setup, schedule, k=4, **kwargs):
   return step, rules, mesh
 
 
+@functools.cache  # the FSDP steps are read by two tests each: compiled once
 def _compiled_stats(setup, schedule, k=4):
   step, rules, mesh = _step(setup, schedule, k)
   params, batch = _problem()
