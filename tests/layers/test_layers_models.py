@@ -13,7 +13,7 @@ from layers_testlib import (
     build,
     canonical_axes,
     config,
-    loss_fn,
+    value_and_grad,
 )
 
 import layers
@@ -126,7 +126,7 @@ def test_padding_mask_hides_padded_tokens(framework):
 
 
 def _value_and_canonical_grad(m, params):
-  loss, grads = jax.jit(jax.value_and_grad(loss_fn(m)))(params, TOKENS, TARGETS)
+  loss, grads = value_and_grad(m)(params, TOKENS, TARGETS)
   return loss, layers.to_canonical(grads)
 
 
