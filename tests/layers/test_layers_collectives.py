@@ -61,8 +61,10 @@ def _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch, pinned=False):
   tokens = jax.random.randint(jax.random.key(0), (batch, LENGTH), 0, cfg.vocab_size)
   tokens = jax.device_put(tokens, NamedSharding(mesh, rules.spec(("batch", "length"),
                                                                   tokens.shape, mesh)))
-  params = partition.unbox(partition.flax.init_sharded(model, jax.random.key(1), tokens,
-                                                       rules=rules, mesh=mesh))
+  # The compiled program depends on the parameters' shapes and shardings only: lower on the
+  # abstract ones init_sharded would create (no init program to compile).
+  params = partition.unbox(partition.flax.abstract_init(model, jax.random.key(1), tokens,
+                                                        rules=rules, mesh=mesh))
 
   def loss(params, tokens):
     logp = jax.nn.log_softmax(model.apply(params, tokens))
