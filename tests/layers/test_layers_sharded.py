@@ -23,11 +23,6 @@ EXPERT = FSDP_TP.override("expert=tensor", "mlp=null", "heads=null", "kv_heads=n
                           "vocab=null")
 
 
-def _init_sharded(framework, cfg, rules):
-  m = build(framework, cfg)
-  return m, init_sharded(m, rules)
-
-
 def _spec(params, name):
   """The sharding spec of the parameter with canonical ``name`` (first layer if unrolled)."""
   flat = jax.tree_util.tree_flatten_with_path(partition.unbox(params))[0]
@@ -56,8 +51,7 @@ def _step(m):
   return jax.jit(jax.value_and_grad(with_logits, has_aux=True))
 
 
-def _single_device(framework, cfg):
-  m = build(framework, cfg, seed=3)
+def _single_device(m):
   (loss, logits), grads = _step(m)(m.params, TOKENS, TARGETS)
   return layers.to_canonical(m.params), logits, loss, grads
 
@@ -83,9 +77,11 @@ CASES = [("linen", False, "fsdp_tp", 0), ("nnx", True, "fsdp_tp", 0),
 def test_sharded_forward_and_grad_equal_single_device(framework, scan, table, experts):
   rules = {"fsdp_tp": FSDP_TP, "expert": EXPERT}[table]
   cfg = config(scan_layers=scan, num_experts=experts, experts_per_token=2)
-  weights, ref_logits, ref_loss, ref_grads = _single_device(framework, cfg)
-  m, sharded = _init_sharded(framework, cfg, rules)
-  params = layers.from_canonical(weights, like=sharded)
+  # One model: its seed-3 weights on one device are the reference, and are loaded into the
+  # params its init_sharded creates (those are seeded 0: every value is overwritten).
+  m = build(framework, cfg, seed=3)
+  weights, ref_logits, ref_loss, ref_grads = _single_device(m)
+  params = layers.from_canonical(weights, like=init_sharded(m, rules))
   lead = (None,) if scan else ()
   if table == "fsdp_tp":
     # The fused QKV kernel (embed, kv_heads, q_per_kv + 2, head_dim): kv groups over tensor.
