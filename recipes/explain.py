@@ -181,8 +181,9 @@ def optimizer_by_param(param_paths: Sequence[str], optimizer_report) -> dict[str
   return out
 
 
-def compile_memory(run, state) -> Memory:
-  """Lowers and compiles ``run.train_step`` on abstract inputs; its per-device memory."""
+def compile_train_step(run, state):
+  """Lowers and compiles ``run.train_step`` on abstract inputs (``state`` and a batch of
+  ``run``'s shape and shardings); the compiled program."""
   import jax
   import numpy as np
   c = run.config
@@ -190,11 +191,21 @@ def compile_memory(run, state) -> Memory:
   dtypes = {"inputs": np.int32, "targets": np.int32, "mask": np.float32}
   batch = {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=s)
            for k, s in run.batch_shardings.items()}
-  stats = run.train_step.lower(state, batch).compile().memory_analysis()
+  return run.train_step.lower(state, batch).compile()
+
+
+def memory_of(compiled) -> Memory:
+  """The per-device memory of a compiled program (``compiled.memory_analysis()``)."""
+  stats = compiled.memory_analysis()
   return Memory(argument=int(stats.argument_size_in_bytes),
                 output=int(stats.output_size_in_bytes), alias=int(stats.alias_size_in_bytes),
                 temp=int(stats.temp_size_in_bytes),
                 generated_code=int(stats.generated_code_size_in_bytes))
+
+
+def compile_memory(run, state) -> Memory:
+  """Compiles ``run.train_step`` on abstract inputs; its per-device memory."""
+  return memory_of(compile_train_step(run, state))
 
 
 def plan(config, *, compile: bool = True,

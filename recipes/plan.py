@@ -215,24 +215,13 @@ def config_yaml(config) -> str:
 def compile_step(config) -> dict[str, Any]:
   """Compiles ``config``'s train step on the devices this process has; per device: memory
   (``recipes.explain.Memory``), FLOPs, bytes accessed and collectives per mesh-axis group."""
-  import jax
-  import numpy as np
 
   import partition
   from recipes import explain
   start = time.perf_counter()
   run, state = _abstract_run(config)
-  shape = (config.batch_size, config.seq_len)
-  dtypes = {"inputs": np.int32, "targets": np.int32, "mask": np.float32}
-  batch = {k: jax.ShapeDtypeStruct(shape, dtypes[k], sharding=s)
-           for k, s in run.batch_shardings.items()}
-  compiled = run.train_step.lower(state, batch).compile()
-  stats = compiled.memory_analysis()
-  memory = explain.Memory(argument=int(stats.argument_size_in_bytes),
-                          output=int(stats.output_size_in_bytes),
-                          alias=int(stats.alias_size_in_bytes),
-                          temp=int(stats.temp_size_in_bytes),
-                          generated_code=int(stats.generated_code_size_in_bytes))
+  compiled = explain.compile_train_step(run, state)
+  memory = explain.memory_of(compiled)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   groups: dict[str, float] | None = {}

@@ -45,13 +45,11 @@ def losses(name, config, data):
   mesh, rules = train.make_mesh(config), train.make_rules(config)
   model = init_from.build_model(DATA / name, config, rules=rules, mesh=mesh)
   tx = optax.adamw(1e-2)
-  params, opt_state = model.params, tx.init(model.params)
-  # Adam's step count starts on one device; the step returns it replicated on the mesh. Put
-  # it there first, so the step compiles once for all STEPS calls (not again at the 2nd).
-  on_mesh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  opt_state = jax.tree.map(
-      lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
-      else jax.device_put(x, on_mesh), opt_state)
+  # On the mesh from the start, as the job creates it (Adam's count replicated): the step's
+  # outputs have the inputs' shardings, so it compiles once for all STEPS calls.
+  params = model.params
+  opt_state = partition.optimizer_init(tx, params, param_axes=model.param_axes, rules=rules,
+                                       mesh=mesh)
 
   @jax.jit
   def step(params, opt_state, batch):

@@ -12,7 +12,6 @@ import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-import jax
 import pytest
 
 import layers
@@ -211,46 +210,32 @@ def _search_one(tmp_path, devices, preset="fsdp_tp"):
   return plan.candidate_config(cfg, top.candidate), top
 
 
+def compiled_figures(cfg_path) -> dict:
+  """The written config compiled afresh on this process's devices, independently of the
+  search's compile worker: peak memory per device and ``[[axes, bytes], ...]`` collectives."""
+  from recipes import explain
+  cfg = load_config(cfg_path)
+  run, state = explain.abstract_run(cfg)
+  compiled = explain.compile_train_step(run, state)
+  stats = partition.collective_stats(compiled, run.mesh)
+  return {"peak": explain.memory_of(compiled).peak,
+          "table": [[",".join(a), v["bytes"]] for (k, a), v in stats.table().items() if a]}
+
+
+# compiled_figures in a process with n devices (this test file's folder is put on its path)
 COMPILE_SCRIPT = """
 import json, sys
 import jax
 jax.config.update('jax_num_cpu_devices', {n})
-import numpy as np, partition
-from recipes import explain
-from recipes.config import load_config
-cfg = load_config(sys.argv[1])
-p = explain.plan(cfg)
-run, state = explain.abstract_run(cfg)
-shape = (cfg.batch_size, cfg.seq_len)
-dt = {{'inputs': np.int32, 'targets': np.int32, 'mask': np.float32}}
-batch = {{k: jax.ShapeDtypeStruct(shape, dt[k], sharding=s)
-         for k, s in run.batch_shardings.items()}}
-stats = partition.collective_stats(run.train_step.lower(state, batch).compile(), run.mesh)
-print(json.dumps({{'peak': p.memory.peak, 'table': [[','.join(a), v['bytes']] for (k, a), v in
-                  stats.table().items() if a]}}))
+sys.path.insert(0, {folder!r})
+from test_plan import compiled_figures
+print(json.dumps(compiled_figures(sys.argv[1])))
 """
 
 
-def _independent_here(cfg_path):
-  """COMPILE_SCRIPT's figures, computed in this process (8 devices): the written config
-  compiled afresh, independently of the search's compile worker."""
-  import numpy as np
-
-  from recipes import explain
-  cfg = load_config(cfg_path)
-  p = explain.plan(cfg)
-  run, state = explain.abstract_run(cfg)
-  shape = (cfg.batch_size, cfg.seq_len)
-  dt = {"inputs": np.int32, "targets": np.int32, "mask": np.float32}
-  batch = {k: jax.ShapeDtypeStruct(shape, dt[k], sharding=s)
-           for k, s in run.batch_shardings.items()}
-  stats = partition.collective_stats(run.train_step.lower(state, batch).compile(), run.mesh)
-  return {"peak": p.memory.peak, "table": [[",".join(a), v["bytes"]] for (k, a), v in
-                                           stats.table().items() if a]}
-
-
 def _independent(cfg_path, n):
-  out = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT.format(n=n), str(cfg_path)],
+  script = COMPILE_SCRIPT.format(n=n, folder=str(Path(__file__).parent))
+  out = subprocess.run([sys.executable, "-c", script, str(cfg_path)],
                        capture_output=True, text=True, cwd=REPO, timeout=600,
                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
   assert out.returncode == 0, out.stderr[-2000:]
@@ -272,7 +257,7 @@ def test_compiled_plan_matches_an_independent_compile_at_8(tmp_path):
   assert top.memory == p.memory.peak == top.compiled["memory"]["peak"]
   path = tmp_path / "c.yaml"
   path.write_text(plan.config_yaml(cfg))
-  ref = _independent_here(path)   # this process has 8 devices: no subprocess to start
+  ref = compiled_figures(path)   # this process has 8 devices: no subprocess to start
   assert ref["peak"] == top.memory
   assert top.compiled["collective_bytes"] == pytest.approx(_by_group(ref["table"]))
   assert sum(top.compiled["collective_bytes"].values()) > 0
