@@ -21,6 +21,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="named-partition-jax-cache-")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+# Compile for a short test run, not for a fast program: XLA's compile is about two thirds of the
+# suite's time and the programs it compiles are tiny and run a few times. JAX's own switch (as
+# flax's example tests use it) runs LLVM at -O0 without its expensive passes; the optimised HLO
+# (sharding propagation, SPMD partitioning, collectives, fusion, buffer sizes) is the same
+# program users compile, only its machine code is less tuned. The one visible difference is in
+# the last bit of some float results, which then depends on how ops are grouped into
+# programs: a test whose claim is bit-for-bit equality between two differently built programs
+# is marked `bitwise` and compiles with JAX's defaults (the fixture below). Processes the tests
+# start inherit the setting. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs
+# everything with JAX's defaults.
+os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -55,3 +67,20 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if item.path.relative_to(_ROOT).as_posix() in SLOW_FILES:
       item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _bitwise_claims_compile_with_jax_defaults(request, monkeypatch):
+  """Under ``@pytest.mark.bitwise``: JAX's default optimisation for this test and the
+  processes it starts, and none of the executables earlier tests compiled at -O0."""
+  if (request.node.get_closest_marker("bitwise") is None
+      or not jax.config.read("jax_disable_most_optimizations")):
+    yield
+    return
+  monkeypatch.setenv("JAX_DISABLE_MOST_OPTIMIZATIONS", "0")
+  jax.config.update("jax_disable_most_optimizations", False)
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_disable_most_optimizations", True)

@@ -27,8 +27,10 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_named_axes_xmap", "02_axis_rules", "03_flax_linen", "04_flax_nnx", "05_haiku",
             "06_training_recipe")
 CELL_TIMEOUT_S = 300        # one cell; a whole notebook takes well under a minute alone
-# Variables of the test process that would make a notebook pass without its own setup cell.
-KERNEL_ENV_DROP = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND")
+# Variables of the test process that would make a notebook pass without its own setup cell,
+# or compile it otherwise than a reader's kernel does (conftest.py's -O0 switch).
+KERNEL_ENV_DROP = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND",
+                   "JAX_DISABLE_MOST_OPTIMIZATIONS")
 
 
 def _load(path: pathlib.Path) -> dict:

@@ -169,6 +169,7 @@ def test_layer_stack_get_parameter_gets_leading_stack_axis():
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # Haiku's eager init against a jitted, sharded one
 def test_layer_stack_param_axes_from_and_table_nested_and_per_layer_inputs():
   table = [(r"/w$", ("embed", "mlp")), (r"/b$", ("mlp",))]
 
@@ -228,6 +229,7 @@ def flagged(x, is_training):
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # Haiku's eager init against a jitted one
 def test_python_flags_are_static_and_values_match_init():
   f = hk.transform(flagged)
   x = jnp.ones((4, 8))
@@ -248,6 +250,7 @@ def test_python_flags_are_static_and_values_match_init():
   assert again["mlp/~/linear_0"]["w"].sharding.spec == P("fsdp", "tensor")
 
 
+@pytest.mark.bitwise  # Haiku's eager init against a jitted one
 def test_int_seed_like_haiku_init():
   f = hk.transform(stock)
   x = jnp.ones((4, 8))

@@ -180,6 +180,7 @@ def _plain_init(stacked):
 @pytest.mark.parametrize("stacked", [False, True], ids=["unrolled", "layer_stack"])
 @pytest.mark.parametrize("inside", [False, True], ids=["param_axes", "param_axes_from"])
 @pytest.mark.slow
+@pytest.mark.bitwise  # Haiku's eager init against a jitted, sharded one
 def test_transformer_init_sharded_on_explicit_mesh(stacked, inside):
   f = hk.transform(_lm_fn(stacked, inside))
   mesh = _mesh(AxisType.Explicit)
@@ -239,6 +240,7 @@ IMAGES = np.random.RandomState(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
 
 
 @pytest.mark.slow
+@pytest.mark.bitwise  # Haiku's eager init against a jitted, sharded one
 def test_resnet_params_and_state_sharded_by_the_table():
   f = hk.transform_with_state(resnet)
   mesh = _mesh(AxisType.Explicit)
@@ -271,5 +273,8 @@ def test_resnet_apply_matches_single_device():
     with partition.axis_rules(RULES, mesh):
       out, new = apply(params, state, None, x, is_training)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-5, atol=1e-5)
+    # BatchNorm's statistics are sums over the batch, split across devices here: an entry
+    # near zero carries the rounding of its O(1) tensor, so atol scales with the tensor.
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(ref_new)):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+      b = np.asarray(b)
+      np.testing.assert_allclose(np.asarray(a), b, rtol=1e-5, atol=1e-5 * np.abs(b).max())
