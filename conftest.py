@@ -26,7 +26,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # flax's example tests use it) runs LLVM at -O0 without its expensive passes; the optimised HLO
 # (sharding propagation, SPMD partitioning, collectives, fusion, buffer sizes) is the same
 # program users compile, only its machine code is less tuned. The one visible difference is in
-# the last bit of some float results, which then depends on how ops are grouped into
+# the last bits of some float results, which then depend on how ops are grouped into
 # programs: a test whose claim is bit-for-bit equality between two differently built programs
 # is marked `bitwise` and compiles with JAX's defaults (the fixture below). Processes the tests
 # start inherit the setting. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs
