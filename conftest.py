@@ -27,10 +27,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # (sharding propagation, SPMD partitioning, collectives, fusion, buffer sizes) is the same
 # program users compile, only its machine code is less tuned. The one visible difference is in
 # the last bits of some float results, which then depend on how ops are grouped into
-# programs: a test whose claim is bit-for-bit equality between two differently built programs
-# is marked `bitwise` and compiles with JAX's defaults (the fixture below). Processes the tests
-# start inherit the setting. `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs
-# everything with JAX's defaults.
+# programs: a test whose bit-for-bit claim between two differently built programs holds with
+# JAX's defaults but not at -O0 (Haiku's eager init against a jitted one, a resumed run against
+# an uninterrupted one) is marked `bitwise` and compiles with JAX's defaults (the fixture
+# below). Processes the tests start inherit the setting.
+# `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs everything with JAX's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 import jax  # noqa: E402
