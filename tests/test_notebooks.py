@@ -29,8 +29,9 @@ EXPECTED = ("01_named_axes_xmap", "02_axis_rules", "03_flax_linen", "04_flax_nnx
 CELL_TIMEOUT_S = 300        # one cell; a whole notebook takes well under a minute alone
 # Variables of the test process that would make a notebook pass without its own setup cell.
 KERNEL_ENV_DROP = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND")
-# Tutorials that assert bit-for-bit equality between differently built programs: their kernel
-# compiles with JAX's defaults (conftest.py's `bitwise`), the others at -O0 like the suite.
+# Tutorials with a bit-for-bit claim that holds with JAX's default compile, not at -O0
+# (conftest.py's `bitwise`): their kernel compiles with JAX's defaults, the others at -O0 like
+# the suite.
 BITWISE = ("05_haiku",)  # Haiku's eager init against the sharded, jitted one
 
 
