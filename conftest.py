@@ -28,9 +28,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # program users compile, only its machine code is less tuned. The one visible difference is in
 # the last bits of some float results, which then depend on how ops are grouped into
 # programs: a test whose bit-for-bit claim between two differently built programs holds with
-# JAX's defaults but not at -O0 (Haiku's eager init against a jitted one, a resumed run against
-# an uninterrupted one) is marked `bitwise` and compiles with JAX's defaults (the fixture
-# below). Processes the tests start inherit the setting.
+# JAX's defaults but not at -O0 (Haiku's eager init against a jitted one) is marked `bitwise`
+# and compiles with JAX's defaults (the fixture below). A resumed run equals an uninterrupted
+# one bit for bit at -O0 too: the same executables on the same state and batches.
+# Processes the tests start inherit the setting.
 # `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs everything with JAX's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 

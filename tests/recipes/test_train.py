@@ -239,7 +239,6 @@ def _cli(*args: str) -> subprocess.Popen:
 
 
 @pytest.mark.slow
-@pytest.mark.bitwise  # a resumed run against an uninterrupted one
 def test_sigterm_midway_then_resume_gives_the_uninterrupted_run(tmp_path):
   """A real process gets SIGTERM mid-run: it finishes the step, checkpoints, exits 0; the
   resumed run's losses and data equal an uninterrupted run's, step by step."""
