@@ -150,12 +150,15 @@ def _tied_lm(config: TransformerConfig):
   backward pass stacks both terms' operands on a new leading dim and contracts them in one
   ``einsum``, so XLA reduces the table's gradient once. Same values up to float32 rounding.
   """
-  def forward(table, rest, tokens, valid):
+  def forward(table, rest, tokens, valid, differentiated=True):
     # One gathered copy of an FSDP-sharded table serves the lookup, the output projection
     # and the backward pass (XLA would gather it once per use).
     table = _core.fsdp_gather(table, ("vocab", "embed"), tokens.shape[0])
     x0 = partition.constrain(_core.embed(tokens, table, dtype=config.dtype), _core.EMBED)
-    (h, aux), body_vjp = jax.vjp(lambda r, x: _body(r, x, config, tokens, valid), rest, x0)
+    body = lambda r, x: _body(r, x, config, tokens, valid)
+    # Outside autodiff (init, eval) the body is just called: tracing it through jax.vjp
+    # would cost a linearization that nothing uses.
+    (h, aux), body_vjp = jax.vjp(body, rest, x0) if differentiated else (body(rest, x0), None)
     logits = partition.constrain(_core.attend(h, table, dtype=config.dtype), _core.LOGITS)
     return (logits, aux), (table, tokens, h, body_vjp)
 
@@ -173,8 +176,8 @@ def _tied_lm(config: TransformerConfig):
                                           dim=1))
     return dtable.astype(table.dtype), drest, None, None
 
-  lm = jax.custom_vjp(lambda table, rest, tokens, valid: forward(table, rest, tokens,
-                                                                 valid)[0])
+  lm = jax.custom_vjp(lambda table, rest, tokens, valid: forward(table, rest, tokens, valid,
+                                                                 differentiated=False)[0])
   lm.defvjp(forward, backward)
   return lm
 
