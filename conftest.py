@@ -101,6 +101,19 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture
+def child_env() -> dict[str, str]:
+  """The environment for a Python process a test starts: CPU only, this checkout first on
+  ``PYTHONPATH``, and this run's settings (-O0, the compilation cache, XLA_FLAGS) except a
+  forced device count, which the child chooses itself. A child compiled differently from the
+  test process would not give its results bit for bit."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+  env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                              if not f.startswith("--xla_force_host_platform_device_count"))
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+  return env
+
+
 @pytest.fixture(autouse=True)
 def _bitwise_claims_compile_with_jax_defaults(request, monkeypatch):
   """Under ``@pytest.mark.bitwise``: JAX's default optimisation for this test and the

@@ -14,7 +14,6 @@ counts (what ``nbstripout`` removes), so diffs show code, not run artefacts.
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import re
 import time
@@ -27,8 +26,9 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 EXPECTED = ("01_named_axes_xmap", "02_axis_rules", "03_flax_linen", "04_flax_nnx", "05_haiku",
             "06_training_recipe")
 CELL_TIMEOUT_S = 300        # one cell; a whole notebook takes well under a minute alone
-# Variables of the test process that would make a notebook pass without its own setup cell.
-KERNEL_ENV_DROP = ("JAX_PLATFORMS", "XLA_FLAGS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND")
+# Settings of the test process that would make a notebook pass without its own setup cell
+# (``child_env`` already drops a forced device count from XLA_FLAGS).
+KERNEL_ENV_DROP = ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND")
 # Tutorials with a bit-for-bit claim that holds with JAX's default compile, not at -O0
 # (conftest.py's `bitwise`): their kernel compiles with JAX's defaults, the others at -O0 like
 # the suite.
@@ -87,16 +87,15 @@ def test_first_code_cell_sets_eight_cpu_devices(path):
 @pytest.mark.parametrize("path", [
     pytest.param(p, marks=[pytest.mark.bitwise] if p.stem in BITWISE else []) for p in NOTEBOOKS
 ], ids=lambda p: p.stem)
-def test_notebook_executes(path, tmp_path, record_property):
+def test_notebook_executes(path, tmp_path, record_property, child_env):
   nbclient = pytest.importorskip(
       "nbclient", reason="executing notebooks needs the [notebooks] extra: "
                          "pip install -e '.[test,notebooks]'")
   import nbformat
 
   nb = nbformat.read(path, as_version=4)
-  env = {k: v for k, v in os.environ.items() if k not in KERNEL_ENV_DROP}
-  # This checkout's packages, also when another copy of the project is installed.
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  # This checkout's packages first, also when another copy of the project is installed.
+  env = {k: v for k, v in child_env.items() if k not in KERNEL_ENV_DROP}
   client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                    resources={"metadata": {"path": str(tmp_path)}})
   start = time.perf_counter()

@@ -5,7 +5,6 @@ The children are separate Python processes started with ``subprocess``; this tes
 """
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -32,12 +31,8 @@ def _load_worker_module():
   return module
 
 
-def _run_cluster(tmp_path, axis_type):
+def _run_cluster(env, tmp_path, axis_type):
   port = _free_port()
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # the children set their own device count
-  repo = str(Path(__file__).resolve().parents[2])
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (repo, env.get("PYTHONPATH")) if p)
   outs = [tmp_path / f"out{i}.json" for i in range(2)]
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), axis_type,
                              str(outs[i])], env=env, stdout=subprocess.PIPE,
@@ -75,8 +70,8 @@ def _assemble(results, name):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-def test_two_processes_match_one(tmp_path, axis_type):
-  results = _run_cluster(tmp_path, axis_type)
+def test_two_processes_match_one(tmp_path, axis_type, child_env):
+  results = _run_cluster(child_env, tmp_path, axis_type)
   assert sorted(r["process_id"] for r in results) == [0, 1]
   worker = _load_worker_module()
   x, w = worker.global_inputs()

@@ -36,10 +36,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _start_cluster(out_dir: Path, *extra: str) -> list[subprocess.Popen]:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)  # the children choose their own device count
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+def _start_cluster(env: dict[str, str], out_dir: Path, *extra: str) -> list[subprocess.Popen]:
   flags = TINY + list(extra) + [f"out_dir={out_dir}", "plot=true",
                   f"distributed.coordinator=127.0.0.1:{_free_port()}",
                   "distributed.num_processes=2", "distributed.local_devices=4"]
@@ -74,8 +71,8 @@ def _records(out_dir: Path) -> list[dict]:
   return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_like_one(tmp_path):
-  procs = _start_cluster(tmp_path / "mp")
+def test_two_processes_train_like_one(tmp_path, child_env):
+  procs = _start_cluster(child_env, tmp_path / "mp")
   try:
     ref_dir = tmp_path / "ref"
     train.train(load_config(train.default_config_path(),
@@ -105,10 +102,10 @@ def test_two_processes_train_like_one(tmp_path):
                                                        rtol=1e-5, atol=1e-7), *restored)
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path):
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, child_env):
   """A scheduler signals one host: both processes stop after the same step (they agree after
   every step), write that step's checkpoint together and exit 0."""
-  procs = _start_cluster(tmp_path / "mp", "steps=60", "eval_every=60", "log_every=1")
+  procs = _start_cluster(child_env, tmp_path / "mp", "steps=60", "eval_every=60", "log_every=1")
   try:
     for line in procs[0].stderr:  # process 0 logs a line per step (stderr is a pipe)
       if line.startswith("step 3/"):

@@ -3,7 +3,6 @@ other meshes. Every preset and framework against one device: test_readme_command
 
 import io
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -230,22 +229,19 @@ def test_byte_level_lm_on_a_text_file(tmp_path):
 # ------------------------------------------------------------------- checkpoints
 
 
-def _cli(*args: str) -> subprocess.Popen:
-  env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  env.pop("XLA_FLAGS", None)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+def _cli(env: dict[str, str], *args: str) -> subprocess.Popen:
   return subprocess.Popen([sys.executable, "-m", "recipes.train", *args], cwd=REPO, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.mark.slow
-def test_sigterm_midway_then_resume_gives_the_uninterrupted_run(tmp_path):
+def test_sigterm_midway_then_resume_gives_the_uninterrupted_run(tmp_path, child_env):
   """A real process gets SIGTERM mid-run: it finishes the step, checkpoints, exits 0; the
   resumed run's losses and data equal an uninterrupted run's, step by step."""
   flags = TINY + ["steps=40", "checkpoint_every=0", "eval_every=40"]
   straight = _run(tmp_path, "straight", *flags[len(TINY):])
   killed = tmp_path / "killed"
-  proc = _cli(*flags, f"out_dir={killed}")
+  proc = _cli(child_env, *flags, f"out_dir={killed}")
   seen = []
   for line in proc.stderr:  # stderr is a pipe: a progress line per step (log_every=1)
     seen.append(line)
