@@ -117,7 +117,9 @@ def child_env() -> dict[str, str]:
 @pytest.fixture(autouse=True)
 def _bitwise_claims_compile_with_jax_defaults(request, monkeypatch):
   """Under ``@pytest.mark.bitwise``: JAX's default optimisation for this test and the
-  processes it starts, and none of the executables earlier tests compiled at -O0."""
+  processes it starts, and none of the executables earlier tests compiled at -O0. (XLA reads
+  XLA_FLAGS once per process, so the emitters flag above stays; these claims hold with
+  either emitters.)"""
   if (request.node.get_closest_marker("bitwise") is None
       or not jax.config.read("jax_disable_most_optimizations")):
     yield
