@@ -1,4 +1,5 @@
-"""The one pytest conftest: 8 virtual CPU devices and the ``slow`` marker.
+"""The one pytest conftest: 8 virtual CPU devices, compile settings for a short test run, the
+``slow`` and ``bitwise`` markers, and ``child_env`` for the processes tests start.
 
 It sits at the repository root so that doctests in ``partition/``, ``layers/`` and ``recipes/``
 and every test under ``tests/`` get the same setup.
@@ -50,8 +51,11 @@ def _xla_knows(flag: str) -> bool:
   starts a backend, so ask a throwaway one)."""
   env = {**os.environ, "JAX_PLATFORMS": "cpu",
          "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
-                         capture_output=True, timeout=120)
+  try:
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
+                           capture_output=True, timeout=120)
+  except subprocess.TimeoutExpired:
+    return False
   return probe.returncode == 0
 
 
