@@ -37,20 +37,15 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Processes the tests start inherit the setting.
 # `JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...` runs everything with JAX's defaults.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-FAST_COMPILE = os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] not in ("0", "false", "False")
-if FAST_COMPILE:
-  # Cache every compile, not only those over JAX's 1 s default: at -O0 most take less, and
-  # xdist workers, the processes tests start and runs that rebuild the same step (a new closure
-  # per run, the same program) compile them again otherwise (7% of a compile-heavy subset).
-  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-_LEGACY_CPU_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+import jax  # noqa: E402  (after the settings above; XLA reads XLA_FLAGS when a backend starts)
+import pytest  # noqa: E402
 
 
-def _xla_knows(flag: str) -> bool:
-  """Whether this jaxlib's XLA accepts ``flag`` (an unknown flag aborts the process that
-  starts a backend, so ask a throwaway one)."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()}
+def _xla_accepts(xla_flags: str) -> bool:
+  """Whether this jaxlib's XLA starts with ``xla_flags`` (an unknown flag aborts the process
+  that starts a backend, so ask a throwaway one)."""
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags}
   try:
     probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env,
                            capture_output=True, timeout=120)
@@ -59,18 +54,27 @@ def _xla_knows(flag: str) -> bool:
   return probe.returncode == 0
 
 
-# XLA's CPU backend generates fusions' code through MLIR "fusion emitters" by default; its
-# older direct-to-LLVM emitters compile the same partitioned program (shardings, collectives,
-# buffers; fusion groups a few elementwise ops differently) in 12% less time on the
-# compile-heavy tests, with the same results up to float32 rounding. The bitwise tests hold
-# with either. Decided once, in the process that starts pytest: xdist workers and
-# subprocesses inherit XLA_FLAGS; JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns this off too.
-if FAST_COMPILE and "xla_cpu_use_fusion_emitters" not in os.environ.get("XLA_FLAGS", ""):
-  if _xla_knows(_LEGACY_CPU_EMITTERS):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEGACY_CPU_EMITTERS}".strip()
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
+# Two more settings for a short test run, on while the suite compiles at -O0 (JAX's own
+# reading of the variable decides, so JAX_DISABLE_MOST_OPTIMIZATIONS=0 turns them off too):
+if jax.config.read("jax_disable_most_optimizations"):
+  # Cache every compile, not only those over JAX's 1 s default: at -O0 most take less, and
+  # xdist workers, the processes tests start and runs that rebuild the same step (a new closure
+  # per run, the same program) compile them again otherwise (7% of a compile-heavy subset).
+  # The variable is for those processes; JAX read it for this one when it was imported.
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]))
+  # XLA's CPU backend generates fusions' code through MLIR "fusion emitters" by default; its
+  # older direct-to-LLVM emitters compile the same partitioned program (shardings,
+  # collectives, buffers; fusion groups a few elementwise ops differently) in 12% less time on
+  # the compile-heavy tests, with the same results up to float32 rounding. The bitwise tests
+  # hold with either. Decided once, in the process that starts pytest: xdist workers and
+  # subprocesses inherit XLA_FLAGS.
+  xla_flags = os.environ.get("XLA_FLAGS", "")
+  if "xla_cpu_use_fusion_emitters" not in xla_flags:
+    with_legacy_emitters = f"{xla_flags} --xla_cpu_use_fusion_emitters=false".strip()
+    if _xla_accepts(with_legacy_emitters):
+      os.environ["XLA_FLAGS"] = with_legacy_emitters
 
 jax.config.update("jax_num_cpu_devices", 8)
 
