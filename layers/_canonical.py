@@ -174,16 +174,17 @@ def _unfuse(flat: dict[str, Any]) -> dict[str, Any]:
   return out
 
 
-def _fused(weights: dict[str, Any], problems: list[str]) -> dict[str, Any]:
-  """``weights`` plus the fused entry of every complete group of canonical parts."""
-  out = dict(weights)
-  for name, (names, _, fuse) in FUSED.items():
-    if all(n in weights for n in names):
-      try:
-        out[name] = fuse(*(weights[n] for n in names))
-      except ValueError as e:
-        problems.append(f"{', '.join(map(repr, names))}: {e}")
-  return out
+def part_shapes(name: str, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+  """The canonical shapes that the parts of the parameter ``name`` of ``shape`` must have:
+  ``[shape]`` for an unfused one, its split parts' shapes for a fused one.
+
+  >>> part_shapes('blocks/attn/qkv/kernel', (16, 2, 4, 8))   # 2 kv heads, 2 queries each
+  [(16, 4, 8), (16, 2, 8), (16, 2, 8)]
+  """
+  if name not in FUSED:
+    return [tuple(shape)]
+  parts = jax.eval_shape(FUSED[name][1], jax.ShapeDtypeStruct(shape, jnp.float32))
+  return [tuple(p.shape) for p in parts]
 
 
 # -- to / from -------------------------------------------------------------------------------
@@ -239,23 +240,36 @@ def _target(leaf: Any) -> tuple[tuple[int, ...], Any, Any]:
 
 def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list[str],
           where: str) -> Any:
+  """The value of the parameter ``name`` (layer ``index``) from the canonical ``weights``.
+
+  Each canonical part is checked against the shape the parameter implies *before* a fused
+  parameter is assembled, so a mis-shaped weight is reported under the user's own key."""
   shape, dtype, sharding = _target(leaf)
-  if name not in weights:
-    missing = [n for n in FUSED[name][0] if n not in weights] if name in FUSED else [name]
+  names = FUSED[name][0] if name in FUSED else (name,)
+  missing = [n for n in names if n not in weights]
+  if missing:
     problems.append(f"{where}: no weight {', '.join(map(repr, missing))} in the canonical "
                     "dict")
     return _value(leaf)
-  if index is not None and index >= np.shape(weights[name])[0]:
-    problems.append(f"{where}: layer index {index} is out of range for "
-                    f"{np.shape(weights[name])[0]} layers in {name!r}")
+  parts = []
+  for part, want in zip(names, part_shapes(name, shape)):
+    full = tuple(np.shape(weights[part]))
+    if index is not None and (not full or index >= full[0]):
+      problems.append(f"{where}: layer index {index} is out of range for "
+                      f"{full[0] if full else 0} layers in {part!r}")
+      continue
+    got = full if index is None else full[1:]
+    if got != want:
+      layer = "" if index is None else f" (layer {index} of {full})"
+      into = f" (fused with {len(names) - 1} more into {shape})" if name in FUSED else ""
+      problems.append(f"{where}: {part!r}{layer} has shape {got}, the config expects "
+                      f"{want}{into}")
+      continue
+    parts.append(weights[part] if index is None else weights[part][index])
+  if len(parts) < len(names):
     return _value(leaf)
-  value = weights[name] if index is None else weights[name][index]
-  if tuple(value.shape) != shape:
-    layer = "" if index is None else f" (layer {index} of {tuple(weights[name].shape)})"
-    problems.append(f"{where}: {name!r}{layer} has shape {tuple(value.shape)}, the "
-                    f"parameter has {shape}")
-    return _value(leaf)
-  value = jnp.asarray(value, dtype)
+  # the parts have the shapes the split of this parameter gives: they fuse into it
+  value = jnp.asarray(FUSED[name][2](*parts) if name in FUSED else parts[0], dtype)
   return value if sharding is None else jax.device_put(value, sharding)
 
 
@@ -276,14 +290,12 @@ def from_canonical(weights: dict[str, Any], like: Any) -> Any:
   """
   graph, tree = _nnx_state(like)
   problems, used = [], set()
-  framework_weights = _fused(weights, problems)
 
   def one(path, leaf):
     parts = [q for k in path for q in _key_parts(k)]
     name, index = canonical_name(parts)
     used.update(FUSED[name][0] if name in FUSED else (name,))
-    return _rebox(leaf, _pick(framework_weights, name, index, leaf, problems,
-                              "/".join(parts)))
+    return _rebox(leaf, _pick(weights, name, index, leaf, problems, "/".join(parts)))
 
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
   problems += [f"{name!r} ({np.shape(weights[name])}) matches no parameter"

@@ -113,9 +113,28 @@ def test_from_canonical_lists_missing_misshaped_and_unused_weights():
   message = str(info.value)
   assert "3 weight(s) do not fit" in message
   assert "transformer/final_norm/scale: no weight 'final_norm/scale'" in message
-  assert "'embed/embedding' has shape (10, 16), the parameter has (64, 16)" in message
+  assert "'embed/embedding' has shape (10, 16), the config expects (64, 16)" in message
   assert "'blocks/extra/kernel' ((2, 3)) matches no parameter" in message
   assert "same TransformerConfig" in message
+
+
+@pytest.mark.parametrize("framework, scan", [("linen", False), ("nnx", True)])
+def test_from_canonical_names_the_users_misshaped_key(framework, scan):
+  """A query with 2 heads where the config has 4 is reported under the user's key with both
+  shapes (not as the fused qkv parameter the wrong query would have been fused into)."""
+  m = build(framework, config(scan_layers=scan))
+  weights = dict(layers.to_canonical(m.params))
+  weights["blocks/attn/query/kernel"] = weights["blocks/attn/query/kernel"][:, :, :2]
+  with pytest.raises(layers.CanonicalError) as info:
+    layers.from_canonical(weights, like=m.params)
+  message = str(info.value)
+  if scan:
+    assert ("'blocks/attn/query/kernel' has shape (2, 16, 2, 8), the config expects "
+            "(2, 16, 4, 8) (fused with 2 more into (2, 16, 2, 4, 8))") in message
+  else:
+    assert ("params/blocks_1/attn/qkv/kernel: 'blocks/attn/query/kernel' (layer 1 of "
+            "(2, 16, 2, 8)) has shape (16, 2, 8), the config expects (16, 4, 8)") in message
+  assert "'blocks/attn/qkv" not in message    # no key the user never gave
 
 
 @pytest.mark.slow
