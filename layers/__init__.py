@@ -5,6 +5,7 @@ Framework modules are imported explicitly: ``import layers.linen``, ``layers.nnx
 """
 
 from layers._config import ConfigError as ConfigError
+from layers._config import RopeScaling as RopeScaling
 from layers._config import TransformerConfig as TransformerConfig
 from layers._canonical import CanonicalError as CanonicalError
 from layers._canonical import from_canonical as from_canonical

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -37,6 +38,71 @@ def remat_policy(name: str) -> Any:
   return REMAT_POLICIES[name]
 
 
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A scaling of the rotary frequencies (hashable: part of a ``TransformerConfig``).
+
+  ``kind='linear'`` divides every inverse frequency by ``factor`` (position interpolation);
+  ``kind='llama3'`` (Llama 3.1+) divides the low frequencies, whose wavelength exceeds
+  ``original_max_len / low_freq_factor``, by ``factor``, keeps the high ones (wavelength
+  below ``original_max_len / high_freq_factor``) and interpolates smoothly between. Both as
+  ``transformers``' ``rope_type`` of the same name (``layers._core.rope_frequencies``).
+
+  >>> RopeScaling('llama3', 8.0, original_max_len=8192)
+  RopeScaling(kind='llama3', factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, \
+original_max_len=8192)
+  """
+
+  kind: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_len: int = 8192
+
+  def problems(self) -> list[str]:
+    """What is invalid, as ``rope_scaling.<field>=...`` sentences (empty when valid)."""
+    out = []
+    if self.kind not in ROPE_SCALINGS:
+      out.append(f"rope_scaling.kind={self.kind!r} must be one of {list(ROPE_SCALINGS)}")
+    for name in ("factor", "low_freq_factor", "high_freq_factor"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not (isinstance(v, (int, float)) and v > 0):
+        out.append(f"rope_scaling.{name}={v!r} must be a positive number")
+    if (self.kind == "llama3" and not out
+        and not self.low_freq_factor < self.high_freq_factor):
+      out.append(f"rope_scaling: low_freq_factor={self.low_freq_factor} must be below "
+                 f"high_freq_factor={self.high_freq_factor} (llama3 interpolates between)")
+    v = self.original_max_len
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      out.append(f"rope_scaling.original_max_len={v!r} must be a positive int")
+    return out
+
+
+def _rope_scaling(value: Any, problems: list[str]) -> Any:
+  """``None``, a :class:`RopeScaling`, or a mapping of its fields (YAML, a saved config's
+  ``dataclasses.asdict``) made one."""
+  if value is None or isinstance(value, RopeScaling):
+    scaling = value
+  elif isinstance(value, Mapping):
+    unknown = sorted(set(value) - {f.name for f in dataclasses.fields(RopeScaling)})
+    if unknown or "kind" not in value or "factor" not in value:
+      problems.append(f"rope_scaling={dict(value)!r} needs kind and factor (and optionally "
+                      "low_freq_factor, high_freq_factor, original_max_len)"
+                      + (f"; unknown {unknown}" if unknown else ""))
+      return value
+    scaling = RopeScaling(**value)
+  else:
+    problems.append(f"rope_scaling={value!r} must be None, a layers.RopeScaling or a "
+                    "mapping such as {kind: llama3, factor: 8.0}")
+    return value
+  if scaling is not None:
+    problems.extend(scaling.problems())
+  return scaling
+
+
 def _positive(cfg: TransformerConfig) -> list[str]:
   names = ("vocab_size", "embed_dim", "mlp_dim", "num_heads", "num_kv_heads", "head_dim",
            "num_layers", "max_len", "pipeline_repeats")
@@ -61,7 +127,7 @@ def _relations(cfg: TransformerConfig) -> list[str]:
                     f"num_experts={cfg.num_experts}")
   if isinstance(cfg.head_dim, int) and cfg.head_dim % 2:
     problems.append(f"head_dim={cfg.head_dim} must be even (rotary embeddings rotate pairs)")
-  for name in ("tie_embeddings", "qkv_bias", "scan_layers"):
+  for name in ("tie_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
     if not isinstance(getattr(cfg, name), bool):
       problems.append(f"{name}={getattr(cfg, name)!r} must be True or False")
   if isinstance(cfg.rope_theta, bool) or not (isinstance(cfg.rope_theta, (int, float))
@@ -71,6 +137,11 @@ def _relations(cfg: TransformerConfig) -> list[str]:
   if isinstance(cfg.norm_eps, bool) or not (isinstance(cfg.norm_eps, (int, float))
                                             and cfg.norm_eps >= 0):
     problems.append(f"norm_eps={cfg.norm_eps!r} must be a number >= 0 (e.g. 1e-6 or 1e-5)")
+  if isinstance(cfg.capacity_factor, bool) or not (
+      isinstance(cfg.capacity_factor, (int, float)) and cfg.capacity_factor > 0):
+    problems.append(f"capacity_factor={cfg.capacity_factor!r} must be a positive number (MoE "
+                    "slots per expert relative to a balanced load; num_experts / "
+                    "experts_per_token never drops a token)")
   if cfg.remat not in REMAT_POLICIES:
     problems.append(f"remat={cfg.remat!r} is not a remat policy; use one of "
                     f"{sorted(REMAT_POLICIES)}")
@@ -106,7 +177,11 @@ class TransformerConfig:
     head_dim: width of one head (``head_dim``), even (RoPE).
     num_layers: number of blocks (``layers`` when scanned).
     num_experts: experts per MoE layer (``expert``); 0 = dense MLP.
-    experts_per_token: the router's top-k.
+    experts_per_token: the router's top-k (softmax over all experts in fp32, the top-k
+      probabilities renormalised to sum to one: Mixtral's router).
+    capacity_factor: MoE slots per expert and sequence relative to a balanced load
+      (``layers._moe.capacity``); ``num_experts / experts_per_token`` (or more) gives every
+      expert room for every token, so nothing is dropped (``from_hf`` sets it for Mixtral).
     max_len: longest sequence the model is meant for (positions are ``0..length-1``).
     dtype: computation dtype; param_dtype: parameter dtype (names or numpy dtypes).
     scan_layers: stack the blocks' params with a leading ``layers`` axis and scan.
@@ -114,8 +189,12 @@ class TransformerConfig:
     tie_embeddings: logits are ``x @ embed/embedding.T``; ``False`` adds an output
       projection ``lm_head/kernel (embed, vocab)`` (Llama 2+, Mistral, Qwen2 >= 7B).
     rope_theta: the rotary base (period ``2 pi theta`` for the slowest pair of dims).
+    rope_scaling: ``None`` or a :class:`RopeScaling` of the rotary frequencies (Llama 3.1's
+      ``llama3``, ``linear``); a mapping of its fields is accepted and converted.
     norm_eps: epsilon of every RMSNorm (HF ``rms_norm_eps``).
     qkv_bias: add biases to the query, key and value projections (Qwen2).
+    qk_norm: RMSNorm each query and key head over ``head_dim`` (own scales ``attn/query_norm``
+      and ``attn/key_norm``, ``norm_eps``) after the projection, before RoPE (Qwen3).
     pipeline_microbatches: when the rules map ``layers`` to a mesh axis (a pipeline over
       stages, ``partition.pipeline``), the micro-batches ``m`` that flow through the stages;
       0 = one per stage. The idle share is ``(p - 1) / (r m + p - 1)``: more micro-batches,
@@ -136,6 +215,7 @@ class TransformerConfig:
   num_layers: int = 2
   num_experts: int = 0
   experts_per_token: int = 2
+  capacity_factor: float = 1.25
   max_len: int = 128
   dtype: Any = "float32"
   param_dtype: Any = "float32"
@@ -143,13 +223,16 @@ class TransformerConfig:
   remat: str = "none"
   tie_embeddings: bool = True
   rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
   norm_eps: float = 1e-6
   qkv_bias: bool = False
+  qk_norm: bool = False
   pipeline_microbatches: int = 0
   pipeline_repeats: int = 1
 
   def __post_init__(self):
     problems = _positive(self) + _relations(self)
+    object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, problems))
     for field in ("dtype", "param_dtype"):
       object.__setattr__(self, field, _dtype(getattr(self, field), field, problems))
     if problems:

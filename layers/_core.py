@@ -294,18 +294,49 @@ def padding_mask(valid: Array) -> Array:
   return (valid[:, None, :, None] & valid[:, None, None, :]).astype(bool)
 
 
-def rope(x: Array, positions: Array, *, theta: float = 10_000.0) -> Array:
+def rope_frequencies(head_dim: int, *, theta: float = 10_000.0, scaling: Any = None) -> Array:
+  """The ``head_dim / 2`` inverse frequencies ``theta ** (-2i / head_dim)`` of RoPE, scaled.
+
+  ``scaling`` (a ``layers.RopeScaling`` or None) as ``transformers``' ``rope_type`` of the
+  same name: ``'linear'`` divides every frequency by ``factor``; ``'llama3'``
+  (``_compute_llama3_parameters``) divides those whose wavelength ``2 pi / f`` exceeds
+  ``original_max_len / low_freq_factor`` by ``factor``, keeps those below
+  ``original_max_len / high_freq_factor`` and, between, mixes ``f / factor`` and ``f`` with
+  weight ``s = (original_max_len / wavelength - low) / (high - low)`` on ``f``.
+
+  >>> from layers import RopeScaling
+  >>> f = rope_frequencies(8, theta=10_000.0)
+  >>> bool(jnp.allclose(rope_frequencies(8, scaling=RopeScaling('linear', 4.0)), f / 4))
+  True
+  >>> s = RopeScaling('llama3', 8.0, original_max_len=64)   # wavelengths 6.3, 63, 628, 6283
+  >>> [round(float(r), 3) for r in rope_frequencies(8, scaling=s) / f]
+  [1.0, 0.13, 0.125, 0.125]
+  """
+  freq = theta ** (-jnp.arange(head_dim // 2, dtype=jnp.float32) * 2 / head_dim)
+  if scaling is None:
+    return freq
+  if scaling.kind == "linear":
+    return freq / scaling.factor
+  wavelength = 2 * math.pi / freq
+  low, high, old = scaling.low_freq_factor, scaling.high_freq_factor, scaling.original_max_len
+  smooth = (old / wavelength - low) / (high - low)
+  mixed = (1 - smooth) * freq / scaling.factor + smooth * freq
+  out = jnp.where(wavelength > old / low, freq / scaling.factor, freq)
+  return jnp.where((wavelength >= old / high) & (wavelength <= old / low), mixed, out)
+
+
+def rope(x: Array, positions: Array, *, theta: float = 10_000.0, scaling: Any = None) -> Array:
   """Rotary position embedding of ``x (batch, length, heads, head_dim)``.
 
   Dim ``i`` of the first half and dim ``i`` of the second half form a pair rotated by angle
-  ``position * theta ** (-2i / head_dim)``; ``positions`` is ``(batch, length)``.
+  ``position * theta ** (-2i / head_dim)`` (with ``scaling``: ``position *``
+  :func:`rope_frequencies` ``[i]``); ``positions`` is ``(batch, length)``.
 
   >>> q = jnp.ones((1, 3, 2, 4))
   >>> bool(jnp.allclose(rope(q, jnp.zeros((1, 3), int)), q))   # position 0: identity
   True
   """
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) * 2 / x.shape[-1])
+  freq = rope_frequencies(x.shape[-1], theta=theta, scaling=scaling)
   angle = positions.astype(jnp.float32)[..., None, None] * freq       # (b, l, 1, half)
   sin, cos = jnp.sin(angle), jnp.cos(angle)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -340,14 +371,15 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None = Non
 
 def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
                    positions: Array | None = None, use_rope: bool = True,
-                   rope_theta: float = 10_000.0) -> Array:
+                   rope_theta: float = 10_000.0, rope_scaling: Any = None) -> Array:
   """Attention on projected heads: constrain, optional RoPE, softmax attention.
 
   Args:
     q: ``(batch, length, heads, head_dim)``; k, v: ``(batch, length, kv_heads, head_dim)``.
     mask: bool, broadcastable to ``(batch, heads, length, length)``.
     positions: ``(batch, length)`` ints for RoPE (default ``0..length-1``).
-    use_rope: rotate queries and keys; rope_theta: the rotary base.
+    use_rope: rotate queries and keys; rope_theta: the rotary base; rope_scaling: a
+      ``layers.RopeScaling`` of its frequencies or None (:func:`rope_frequencies`).
 
   Returns:
     ``(batch, length, heads, head_dim)``.
@@ -357,7 +389,8 @@ def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
   if use_rope:
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
-    q, k = rope(q, positions, theta=rope_theta), rope(k, positions, theta=rope_theta)
+    q = rope(q, positions, theta=rope_theta, scaling=rope_scaling)
+    k = rope(k, positions, theta=rope_theta, scaling=rope_scaling)
   return dot_product_attention(q, k, v, mask)
 
 
@@ -377,7 +410,8 @@ def split_qkv(fused: Array) -> tuple[Array, Array, Array]:
 
 def attention(p: dict, x: Array, *, mask: Array | None = None,
               positions: Array | None = None, use_rope: bool = True,
-              rope_theta: float = 10_000.0, dtype: Any = None) -> Array:
+              rope_theta: float = 10_000.0, rope_scaling: Any = None, norm_eps: float = 1e-6,
+              dtype: Any = None) -> Array:
   """Self-attention on a parameter tree: one fused QKV projection, attention, output.
 
   Args:
@@ -385,9 +419,11 @@ def attention(p: dict, x: Array, *, mask: Array | None = None,
       q_per_kv + 2, head_dim)]}, 'out': {'kernel': (heads, head_dim, embed)}}``. The QKV
       kernel is grouped by kv head (each group: its ``q_per_kv`` query heads, its key, its
       value), so sharding ``kv_heads`` splits queries, keys and values alike and the input
-      gradient of all three is one dot (one all-reduce under tensor parallelism).
+      gradient of all three is one dot (one all-reduce under tensor parallelism). With
+      ``query_norm``/``key_norm`` (``{'scale': (head_dim,)}``, Qwen3's q/k norm) each query
+      and key head is RMS-normed (``norm_eps``) before RoPE.
     x: ``(batch, length, embed)``.
-    mask, positions, use_rope, rope_theta: as for :func:`attention_core`.
+    mask, positions, use_rope, rope_theta, rope_scaling: as for :func:`attention_core`.
 
   Returns:
     ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``.
@@ -398,8 +434,11 @@ def attention(p: dict, x: Array, *, mask: Array | None = None,
   """
   qkv = dense(x, p["qkv"]["kernel"], p["qkv"].get("bias"), dtype=dtype)
   q, k, v = split_qkv(qkv)
+  if "query_norm" in p:   # Qwen3: per-head RMSNorm between the projection and RoPE
+    q = rms_norm(q, p["query_norm"]["scale"], eps=norm_eps)
+    k = rms_norm(k, p["key_norm"]["scale"], eps=norm_eps)
   out = attention_core(q, k, v, mask=mask, positions=positions, use_rope=use_rope,
-                       rope_theta=rope_theta)
+                       rope_theta=rope_theta, rope_scaling=rope_scaling)
   return partition.constrain(dense(out, p["out"]["kernel"], contract=2, dtype=dtype), EMBED)
 
 

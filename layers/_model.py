@@ -56,13 +56,13 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
   p = _core.fsdp_gather(p, _block_axes(c), x.shape[0])
   h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
   h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
-                      dtype=c.dtype)
+                      rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, dtype=c.dtype)
   x = partition.constrain(x + h, _core.EMBED)
   h = _core.rms_norm(x, p["mlp_norm"]["scale"], eps=c.norm_eps)
   if c.num_experts:
     m = p["moe"]
     h, aux = _moe.moe(h, m["router"], m["wi"], m["wo"], k=c.experts_per_token,
-                      dtype=c.dtype)
+                      capacity_factor=c.capacity_factor, dtype=c.dtype)
   else:
     h, aux = _core.mlp(p["mlp"], h, dtype=c.dtype), _core.no_aux()
   return partition.constrain(x + h, _core.EMBED), aux

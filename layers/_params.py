@@ -84,19 +84,27 @@ def norm_params(dim: int, use_bias: bool = False) -> dict[str, ParamSpec]:
 
 
 def attention_params(embed_dim: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                     use_bias: bool = False) -> dict[str, dict[str, ParamSpec]]:
+                     use_bias: bool = False, qk_norm: bool = False
+                     ) -> dict[str, dict[str, ParamSpec]]:
   """``qkv``: one fused kernel ``(embed, kv_heads, q_per_kv + 2, head_dim)`` (axes
   ``('embed', 'kv_heads', None, 'head_dim')``; see ``_core.attention``) and, with
-  ``use_bias``, ``bias (kv_heads, q_per_kv + 2, head_dim)``; ``out (heads, head_dim, embed)``.
+  ``use_bias``, ``bias (kv_heads, q_per_kv + 2, head_dim)``; ``out (heads, head_dim, embed)``;
+  with ``qk_norm``, ``query_norm`` and ``key_norm`` scales ``(head_dim,)`` (ones).
 
   >>> attention_params(16, 4, 2, 8)['qkv']['kernel'].shape
   (16, 2, 4, 8)
+  >>> attention_params(16, 4, 2, 8, qk_norm=True)['key_norm']['scale'].axes
+  ('head_dim',)
   """
   per_kv = num_heads // num_kv_heads
-  return {"qkv": dense_params((embed_dim,), (num_kv_heads, per_kv + 2, head_dim), ("embed",),
-                              ("kv_heads", None, "head_dim"), use_bias, where="Attention"),
-          "out": dense_params((num_heads, head_dim), embed_dim, ("heads", "head_dim"),
-                              ("embed",), where="Attention")}
+  out = {"qkv": dense_params((embed_dim,), (num_kv_heads, per_kv + 2, head_dim), ("embed",),
+                             ("kv_heads", None, "head_dim"), use_bias, where="Attention"),
+         "out": dense_params((num_heads, head_dim), embed_dim, ("heads", "head_dim"),
+                             ("embed",), where="Attention")}
+  if qk_norm:
+    for name in ("query_norm", "key_norm"):
+      out[name] = {"scale": ParamSpec((head_dim,), ("head_dim",), init.ones)}
+  return out
 
 
 def mlp_params(embed_dim: int, mlp_dim: int) -> dict[str, dict[str, ParamSpec]]:
@@ -121,7 +129,7 @@ def block_params(cfg: Any) -> dict[str, Any]:
   and ``mlp`` (or ``moe``)."""
   out = {"attn_norm": norm_params(cfg.embed_dim),
          "attn": attention_params(cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                  cfg.qkv_bias),
+                                  cfg.qkv_bias, cfg.qk_norm),
          "mlp_norm": norm_params(cfg.embed_dim)}
   if cfg.num_experts:
     out["moe"] = moe_params(cfg.embed_dim, cfg.mlp_dim, cfg.num_experts)

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints (Llama, Mistral, Qwen2) <-> canonical weights, without torch.
+"""Hugging Face checkpoints (Llama, Mistral, Qwen2/3, Mixtral) <-> canonical weights, no torch.
 
 :func:`from_hf` reads a local ``transformers`` directory (``config.json`` and ``*.safetensors``,
 one file or several with ``model.safetensors.index.json``) into canonical weights (see
@@ -22,12 +22,31 @@ Hugging Face (per layer ``i``)                  canonical
 ``self_attn.q_proj.weight (h*d, embed)``       ``blocks/attn/query/kernel[i] (embed, h, d)``
 ``self_attn.{k,v}_proj.weight (kv*d, embed)``  ``blocks/attn/{key,value}/kernel[i]``
 ``self_attn.{q,k,v}_proj.bias`` (Qwen2)        ``blocks/attn/{query,key,value}/bias[i]``
+``self_attn.{q,k}_norm.weight (d,)`` (Qwen3)   ``blocks/attn/{query,key}_norm/scale[i]``
 ``self_attn.o_proj.weight (embed, h*d)``       ``blocks/attn/out/kernel[i] (h, d, embed)``
 ``post_attention_layernorm.weight``            ``blocks/mlp_norm/scale[i]``
 ``mlp.{gate,up}_proj.weight (mlp, embed)``     ``blocks/mlp/{wi_gate,wi_up}/kernel[i]``
 ``mlp.down_proj.weight (embed, mlp)``          ``blocks/mlp/wo/kernel[i] (mlp, embed)``
 ``model.norm.weight``                          ``final_norm/scale``
 =============================================  ============================================
+
+Mixtral's sparse MoE (``model.layers.i.block_sparse_moe.``, expert ``j``) replaces the MLP:
+
+=============================================  ============================================
+``gate.weight (expert, embed)``                ``blocks/moe/router[i] (embed, expert)``
+``experts.j.w1.weight (mlp, embed)`` (gate)    ``blocks/moe/wi_gate[i, j] (embed, mlp)``
+``experts.j.w3.weight (mlp, embed)`` (up)      ``blocks/moe/wi_up[i, j]``
+``experts.j.w2.weight (embed, mlp)``           ``blocks/moe/wo[i, j] (mlp, embed)``
+=============================================  ============================================
+
+Its router is ``layers``' (softmax over all experts in fp32, top-``k``, the ``k``
+probabilities renormalised to sum to one) and ``from_hf`` sets ``capacity_factor =
+num_experts / experts_per_token``: every expert has a slot for every token of a sequence, so
+nothing is dropped, as in ``transformers`` (which has no capacity).
+
+RoPE: ``rope_type`` ``default``, ``linear`` and ``llama3`` (Llama 3.1/3.2/3.3) become
+``TransformerConfig.rope_theta`` and ``rope_scaling`` (``layers.RopeScaling``), read from
+``rope_parameters`` (``transformers`` 5) or ``rope_scaling`` + ``rope_theta`` (4.x).
 
 Loading for a mesh (``mesh=``, ``rules=``) builds each weight with
 ``jax.make_array_from_callback`` on the ``NamedSharding`` its logical axes get from the
@@ -45,6 +64,7 @@ Example:
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import pathlib
@@ -55,11 +75,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layers._config import TransformerConfig
+from layers._config import RopeScaling, TransformerConfig
 from partition import PartitionError, atomic_write, format_message
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM"}
+#: architectures whose sliding window becomes max_len (see config_from_hf)
+WINDOWED = ("mistral", "mixtral")
 INDEX = "model.safetensors.index.json"
 
 
@@ -80,35 +103,64 @@ def _architecture(hf: Mapping[str, Any], where: str) -> str:
   raise HFError(
       f"from_hf: {where} has architectures={hf.get('architectures')!r}, model_type="
       f"{hf.get('model_type')!r}; layers supports {sorted(ARCHITECTURES.values())} "
-      "(model_type llama, mistral, qwen2). Convert another family yourself into canonical "
+      f"(model_type {', '.join(ARCHITECTURES)}). Convert another family yourself into canonical "
       "weights (layers.from_canonical).")
 
 
-def _rope_theta(hf: Mapping[str, Any], problems: list[str]) -> float:
-  """``rope_theta`` from ``rope_parameters`` (transformers 5) or the top level (4.x);
-  any RoPE scaling is rejected."""
-  params = dict(hf.get("rope_parameters") or {})
-  scaling = hf.get("rope_scaling")
-  for field, value in (("rope_parameters", params), ("rope_scaling", scaling or {})):
-    kind = value.get("rope_type", value.get("type", "default"))
-    if kind != "default":
-      problems.append(f"{field}.rope_type={kind!r}: scaled RoPE is not supported (layers "
-                      "computes the default rotary frequencies only)")
-  return float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+def _rope(hf: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
+  """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or
+  ``rope_scaling`` and a top-level ``rope_theta`` (4.x); a RoPE layers does not compute is
+  added to ``problems``."""
+  params = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+  field = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+  if any(isinstance(v, Mapping) for v in params.values()):
+    problems.append(f"{field} is nested per layer type ({sorted(params)}): layers uses one "
+                    "RoPE for every layer")
+    return 10_000.0, None
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+  if partial not in (None, 1, 1.0):
+    problems.append(f"partial_rotary_factor={partial!r}: layers rotates the whole head_dim")
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind not in ("linear", "llama3"):
+    problems.append(f"{field}.rope_type={kind!r}: layers computes rope_type 'default', "
+                    "'linear' and 'llama3' only")
+    return theta, None
+  needed = ("factor",) + (("low_freq_factor", "high_freq_factor") if kind == "llama3" else ())
+  missing = [k for k in needed if params.get(k) is None]
+  if missing:
+    problems.append(f"{field}.rope_type={kind!r} lacks {missing}")
+    return theta, None
+  extra = {}
+  if kind == "llama3":
+    original = params.get("original_max_position_embeddings",
+                          hf.get("original_max_position_embeddings",
+                                 hf.get("max_position_embeddings")))
+    extra = dict(low_freq_factor=float(params["low_freq_factor"]),
+                 high_freq_factor=float(params["high_freq_factor"]),
+                 original_max_len=int(original or 8192))
+  scaling = RopeScaling(kind, float(params["factor"]), **extra)
+  problems.extend(f"{field}: {p}" for p in scaling.problems())
+  return theta, scaling
 
 
 def _unsupported(hf: Mapping[str, Any], arch: str, problems: list[str]) -> None:
   if hf.get("hidden_act", "silu") != "silu":
     problems.append(f"hidden_act={hf['hidden_act']!r}: layers' MLP is SwiGLU (silu)")
   if hf.get("attention_bias"):
-    problems.append("attention_bias=True: Llama's flag also adds a bias to o_proj, which "
-                    "layers does not have (only Qwen2-style q/k/v biases)")
+    problems.append(f"attention_bias=True: {ARCHITECTURES[arch]}'s flag also adds a bias to "
+                    "o_proj, which layers does not have (only Qwen2-style q/k/v biases)")
   if hf.get("mlp_bias"):
     problems.append("mlp_bias=True: layers' MLP has no biases")
-  if arch == "qwen2" and hf.get("use_sliding_window"):
+  if arch in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
     problems.append("use_sliding_window=True: sliding-window attention is not supported")
+  if arch == "mixtral" and hf.get("router_jitter_noise"):
+    problems.append(f"router_jitter_noise={hf['router_jitter_noise']!r}: layers' router "
+                    "has no jitter (set it to 0.0)")
   layer_types = set(hf.get("layer_types") or ()) - {"full_attention"}
-  if layer_types and arch != "mistral":
+  if layer_types and arch not in WINDOWED:
     problems.append(f"layer_types contains {sorted(layer_types)}: only full attention is "
                     "supported")
   if hf.get("quantization_config"):
@@ -119,9 +171,12 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
                    ) -> tuple[TransformerConfig, str]:
   """``(TransformerConfig, architecture)`` of a ``transformers`` config dict.
 
-  Mistral's ``sliding_window`` becomes ``max_len = min(max_position_embeddings,
+  Mistral's and Mixtral's ``sliding_window`` becomes ``max_len = min(max_position_embeddings,
   sliding_window)``: on sequences no longer than the window, sliding-window attention is
-  causal attention, and longer ones are rejected by the model's length check.
+  causal attention, and longer ones are rejected by the model's length check. Mixtral's
+  ``num_local_experts`` / ``num_experts_per_tok`` become ``num_experts`` /
+  ``experts_per_token`` with ``capacity_factor = num_experts / experts_per_token`` (no token
+  is ever dropped); Qwen3 gets ``qk_norm=True``.
 
   >>> cfg, arch = config_from_hf({'model_type': 'mistral', 'vocab_size': 8,
   ...     'hidden_size': 8, 'intermediate_size': 16, 'num_hidden_layers': 1,
@@ -134,12 +189,13 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
   """
   arch = _architecture(hf, where)
   required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads")
+              "num_attention_heads") + (
+                  ("num_local_experts", "num_experts_per_tok") if arch == "mixtral" else ())
   missing = [k for k in required if hf.get(k) is None]
   if missing:
     raise HFError(f"from_hf: {where} lacks {missing}; is it a {ARCHITECTURES[arch]} config?")
   problems: list[str] = []
-  theta = _rope_theta(hf, problems)
+  theta, scaling = _rope(hf, problems)
   _unsupported(hf, arch, problems)
   if problems:
     raise HFError(format_message(f"from_hf: {where} ({ARCHITECTURES[arch]}) uses "
@@ -148,8 +204,13 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
                                      "without these settings."))
   heads = hf["num_attention_heads"]
   max_len = hf.get("max_position_embeddings") or 2048
-  if arch == "mistral" and hf.get("sliding_window"):
+  if arch in WINDOWED and hf.get("sliding_window"):
     max_len = min(max_len, hf["sliding_window"])
+  moe = {}
+  if arch == "mixtral":
+    experts, k = hf["num_local_experts"], hf["num_experts_per_tok"]
+    moe = dict(num_experts=experts, experts_per_token=k,
+               capacity_factor=experts / k if 0 < k <= experts else 1.0)
   config = TransformerConfig(
       vocab_size=hf["vocab_size"], embed_dim=hf["hidden_size"],
       mlp_dim=hf["intermediate_size"], num_heads=heads,
@@ -157,7 +218,8 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       num_layers=hf["num_hidden_layers"], max_len=max_len, param_dtype=dtype,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=arch == "qwen2")
+      rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **moe)
   return config, arch
 
 
@@ -170,15 +232,29 @@ def config_to_hf(config: TransformerConfig, architecture: str, dtype: str) -> di
         "num_key_value_heads": config.num_kv_heads, "head_dim": config.head_dim,
         "hidden_act": "silu", "max_position_embeddings": config.max_len,
         "rms_norm_eps": config.norm_eps, "tie_word_embeddings": config.tie_embeddings,
-        # both spellings: transformers 5 reads rope_parameters, 4.x reads rope_theta
-        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "rope_theta": config.rope_theta, "dtype": dtype, "torch_dtype": dtype}
+  # both spellings: transformers 5 reads rope_parameters, 4.x rope_theta and rope_scaling
+  rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+  if config.rope_scaling is not None:
+    r = config.rope_scaling
+    scaling = {"rope_type": r.kind, "factor": r.factor}
+    if r.kind == "llama3":
+      scaling.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor,
+                     original_max_position_embeddings=r.original_max_len)
+    rope.update(scaling)
+    hf["rope_scaling"] = scaling
+  hf["rope_parameters"] = rope
+  if architecture in ("llama", "qwen3"):
+    hf.update(attention_bias=False)
   if architecture == "llama":
-    hf.update(attention_bias=False, mlp_bias=False)
-  if architecture == "mistral":
+    hf.update(mlp_bias=False)
+  if architecture in WINDOWED:
     hf["sliding_window"] = None      # layers computes full causal attention
-  if architecture == "qwen2":
+  if architecture in ("qwen2", "qwen3"):
     hf.update(use_sliding_window=False, sliding_window=None)
+  if architecture == "mixtral":
+    hf.update(num_local_experts=config.num_experts,
+              num_experts_per_tok=config.experts_per_token, router_jitter_noise=0.0)
   return hf
 
 
@@ -188,8 +264,9 @@ def config_to_hf(config: TransformerConfig, architecture: str, dtype: str) -> di
 class Layout(NamedTuple):
   """How one canonical weight is stored by ``transformers``.
 
-  ``hf``: the tensor name (``{i}`` = layer index for ``blocks/...`` weights); ``groups``:
-  for each HF dim, the canonical per-layer dims merged into it (row-major); ``axes``: the
+  ``hf``: the tensor name, with ``{i}`` (layer) and ``{j}`` (expert) standing for the
+  canonical weight's leading *stacked* dims, one HF tensor each; ``groups``: for each HF dim,
+  the canonical dims after the stacked ones merged into it (row-major); ``axes``: the
   canonical weight's logical axes.
   """
 
@@ -198,8 +275,22 @@ class Layout(NamedTuple):
   axes: tuple[str, ...]
 
   @property
+  def stacked(self) -> int:
+    """How many leading canonical dims index HF tensors (0, 1 = layer, 2 = layer, expert)."""
+    return ("{i}" in self.hf) + ("{j}" in self.hf)
+
+  @property
   def per_layer(self) -> bool:
-    return "{i}" in self.hf
+    return self.stacked > 0
+
+  def key(self, *index: int) -> str:
+    """The HF tensor name of the stacked ``index`` (layer, then expert)."""
+    return self.hf.format(**dict(zip("ij", index)))
+
+  def keys(self, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], str]]:
+    """``(stacked index, HF name)`` of every tensor of a canonical weight of ``shape``."""
+    ranges = (range(n) for n in shape[:self.stacked])
+    return [(ids, self.key(*ids)) for ids in itertools.product(*ranges)]
 
 
 def layouts(config: TransformerConfig) -> dict[str, Layout]:
@@ -224,14 +315,27 @@ def layouts(config: TransformerConfig) -> dict[str, Layout]:
                                        ("layers", "heads", "head_dim", "embed")),
       "blocks/mlp_norm/scale": Layout("model.layers.{i}.post_attention_layernorm.weight",
                                       ((0,),), ("layers", "embed")),
-      "blocks/mlp/wi_gate/kernel": Layout(m + "gate_proj.weight", ((1,), (0,)),
-                                          ("layers", "embed", "mlp")),
-      "blocks/mlp/wi_up/kernel": Layout(m + "up_proj.weight", ((1,), (0,)),
-                                        ("layers", "embed", "mlp")),
-      "blocks/mlp/wo/kernel": Layout(m + "down_proj.weight", ((1,), (0,)),
-                                     ("layers", "mlp", "embed")),
       "final_norm/scale": Layout("model.norm.weight", ((0,),), ("embed",)),
   }
+  if config.num_experts:
+    e = "model.layers.{i}.block_sparse_moe."
+    out.update({
+        "blocks/moe/router": Layout(e + "gate.weight", ((1,), (0,)),
+                                    ("layers", "embed", "expert")),
+        "blocks/moe/wi_gate": Layout(e + "experts.{j}.w1.weight", ((1,), (0,)),
+                                     ("layers", "expert", "embed", "mlp")),
+        "blocks/moe/wi_up": Layout(e + "experts.{j}.w3.weight", ((1,), (0,)),
+                                   ("layers", "expert", "embed", "mlp")),
+        "blocks/moe/wo": Layout(e + "experts.{j}.w2.weight", ((1,), (0,)),
+                                ("layers", "expert", "mlp", "embed"))})
+  else:
+    out.update({
+        "blocks/mlp/wi_gate/kernel": Layout(m + "gate_proj.weight", ((1,), (0,)),
+                                            ("layers", "embed", "mlp")),
+        "blocks/mlp/wi_up/kernel": Layout(m + "up_proj.weight", ((1,), (0,)),
+                                          ("layers", "embed", "mlp")),
+        "blocks/mlp/wo/kernel": Layout(m + "down_proj.weight", ((1,), (0,)),
+                                       ("layers", "mlp", "embed"))})
   if not config.tie_embeddings:
     out["lm_head/kernel"] = Layout("lm_head.weight", ((1,), (0,)), ("embed", "vocab"))
   if config.qkv_bias:
@@ -239,6 +343,10 @@ def layouts(config: TransformerConfig) -> dict[str, Layout]:
                               ("value", "v", "kv_heads")):
       out[f"blocks/attn/{name}/bias"] = Layout(a + f"{proj}_proj.bias", ((0, 1),),
                                                ("layers", heads, "head_dim"))
+  if config.qk_norm:
+    for name, proj in (("query", "q"), ("key", "k")):
+      out[f"blocks/attn/{name}_norm/scale"] = Layout(a + f"{proj}_norm.weight", ((0,),),
+                                                     ("layers", "head_dim"))
   return out
 
 
@@ -246,7 +354,8 @@ def canonical_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
   """``{canonical name: shape}`` of ``config``'s weights (blocks stacked on ``layers``)."""
   sizes = {"vocab": config.vocab_size, "embed": config.embed_dim, "mlp": config.mlp_dim,
            "heads": config.num_heads, "kv_heads": config.num_kv_heads,
-           "head_dim": config.head_dim, "layers": config.num_layers}
+           "head_dim": config.head_dim, "layers": config.num_layers,
+           "expert": config.num_experts}
   return {name: tuple(sizes[a] for a in lay.axes) for name, lay in layouts(config).items()}
 
 
@@ -319,10 +428,8 @@ def _check_tensors(files: _Files, config: TransformerConfig, where: str) -> None
   problems = []
   shapes = canonical_shapes(config)
   for name, lay in layouts(config).items():
-    per_layer = shapes[name][1:] if lay.per_layer else shapes[name]
-    want = _hf_shape(lay, per_layer)
-    for i in range(config.num_layers if lay.per_layer else 1):
-      key = lay.hf.format(i=i)
+    want = _hf_shape(lay, shapes[name][lay.stacked:])
+    for _, key in lay.keys(shapes[name]):
       if key not in files.where:
         problems.append(f"{key}: missing (needed for {name})")
         continue
@@ -352,13 +459,11 @@ def _load_one(files: _Files, lay: Layout, shape: tuple[int, ...], dtype: Any,
     index = _normalize(index, shape)
     key = tuple((s.start, s.stop) for s in index)
     if key not in blocks:         # devices holding the same block share one read
-      if lay.per_layer:
-        layers = range(index[0].start, index[0].stop)
-        parts = [_read_block(files.slice(lay.hf.format(i=i)), lay, shape[1:], index[1:])
-                 for i in layers]
-        blocks[key] = np.stack(parts).astype(dtype)
-      else:
-        blocks[key] = _read_block(files.slice(lay.hf), lay, shape, index).astype(dtype)
+      k = lay.stacked             # one HF tensor per (layer[, expert]) in the block
+      lead = [range(s.start, s.stop) for s in index[:k]]
+      parts = [_read_block(files.slice(lay.key(*ids)), lay, shape[k:], index[k:])
+               for ids in itertools.product(*lead)]
+      blocks[key] = np.stack(parts).reshape(*map(len, lead), *parts[0].shape).astype(dtype)
     return blocks[key]
 
   if sharding is None:
@@ -369,7 +474,7 @@ def _load_one(files: _Files, lay: Layout, shape: tuple[int, ...], dtype: Any,
 def from_hf(path: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None,
             rules: Any = None, dtype: Any = "float32"
             ) -> tuple[dict[str, jax.Array], TransformerConfig]:
-  """Canonical weights and config of a local Hugging Face Llama/Mistral/Qwen2 checkpoint.
+  """Canonical weights and config of a local Hugging Face checkpoint (``ARCHITECTURES``).
 
   Args:
     path: a directory with ``config.json`` and ``*.safetensors`` (one file, several, or
@@ -417,29 +522,34 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
 
   Args:
     weights: ``{canonical name: array}`` (``layers.to_canonical`` or :func:`from_hf`).
-    config: their ``TransformerConfig`` (dense MLP; ``num_experts == 0``).
+    config: their ``TransformerConfig`` (an MoE one as Mixtral, whose ``transformers``
+      model never drops a token whatever ``capacity_factor`` says).
     path: the directory (created); ``config.json`` and ``model.safetensors`` go there, or
       ``model-0000k-of-0000n.safetensors`` + ``model.safetensors.index.json`` when the
       tensors exceed ``max_shard_bytes``.
-    architecture: ``'llama'``, ``'mistral'`` or ``'qwen2'``; default ``'qwen2'`` with
-      ``qkv_bias`` else ``'llama'``.
+    architecture: a key of ``ARCHITECTURES``; default ``'qwen2'`` with ``qkv_bias``,
+      ``'qwen3'`` with ``qk_norm``, ``'mixtral'`` with experts, else ``'llama'``.
 
   Returns:
     The names of the files written. Arrays are gathered to the host one at a time.
 
   Raises:
-    HFError: an MoE config, an architecture that cannot express ``config``, or weights
-      missing, extra, or of the wrong shape.
+    HFError: an architecture that cannot express ``config``, or weights missing, extra, or
+      of the wrong shape.
   """
-  architecture = architecture or ("qwen2" if config.qkv_bias else "llama")
+  architecture = architecture or ("qwen2" if config.qkv_bias else "qwen3" if config.qk_norm
+                                  else "mixtral" if config.num_experts else "llama")
   problems = []
   if architecture not in ARCHITECTURES:
     problems.append(f"architecture={architecture!r} is not one of {sorted(ARCHITECTURES)}")
-  elif config.qkv_bias != (architecture == "qwen2"):
-    problems.append(f"qkv_bias={config.qkv_bias} but architecture={architecture!r}: only "
-                    "qwen2 has q/k/v biases (and always has them)")
-  if config.num_experts:
-    problems.append(f"num_experts={config.num_experts}: Llama/Mistral/Qwen2 are dense")
+  else:
+    for field, value, arch in (("qkv_bias", config.qkv_bias, "qwen2"),
+                               ("qk_norm", config.qk_norm, "qwen3"),
+                               ("num_experts", config.num_experts, "mixtral")):
+      if bool(value) != (architecture == arch):
+        problems.append(f"{field}={value} but architecture={architecture!r}: only {arch} "
+                        f"has {'experts' if field == 'num_experts' else field} (and always "
+                        "has them)")
   shapes = canonical_shapes(config)
   for name in sorted(set(shapes) | set(weights)):
     if name not in weights:
@@ -452,12 +562,13 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
   if problems:
     raise HFError(format_message(f"to_hf: cannot write {str(path)!r}.", bullets=problems,
                                  fix="Pass the weights with the TransformerConfig they were "
-                                     "trained with (dense, untied or tied as built)."))
+                                     "trained with (untied or tied as built), and the "
+                                     "architecture that has its features."))
   tensors = {}
   for name, lay in layouts(config).items():
     value = np.asarray(jax.device_get(weights[name]))
-    for i, part in enumerate(value if lay.per_layer else [value]):
-      tensors[lay.hf.format(i=i)] = _to_hf_tensor(part, lay)
+    for ids, key in lay.keys(value.shape):
+      tensors[key] = _to_hf_tensor(value[ids], lay)
   directory = pathlib.Path(path)
   directory.mkdir(parents=True, exist_ok=True)
   for old in directory.glob("*.safetensors"):

@@ -1,10 +1,12 @@
 """``layers.from_hf`` / ``layers.to_hf`` against ``transformers``' own logits.
 
-References: ``tests/layers/data/hf/<model>/golden.npz``, the logits ``transformers`` (fp32,
-eager attention) computed for tiny random Llama / Mistral / Qwen2 checkpoints saved next to
-them by ``scripts/make_hf_goldens.py``; the suite itself needs neither torch nor
-transformers. Mesh loading is checked against the one-device load and by counting the bytes
-safetensors' ``get_slice`` hands out.
+References: ``tests/layers/data/hf/<model>/golden.npz``, the logits and greedy continuations
+``transformers`` (fp32, eager attention) computed for tiny random Llama (plain, ``llama3`` and
+``linear`` RoPE scaling) / Mistral / Qwen2 / Qwen3 / Mixtral checkpoints saved next to them by
+``scripts/make_hf_goldens.py``; the suite itself needs neither torch nor transformers (the
+tests that build fresh checkpoints of other shapes with ``transformers`` skip without it).
+Mesh loading is checked against the one-device load and by counting the bytes safetensors'
+``get_slice`` hands out.
 """
 
 import dataclasses
@@ -26,7 +28,8 @@ from layers import hf
 from layers._params import LayerArgumentError
 
 DATA = pathlib.Path(__file__).parent / "data" / "hf"
-MODELS = ("llama", "mistral", "qwen2")
+MODELS = ("llama", "mistral", "qwen2", "llama3", "llama_linear", "qwen3", "mixtral")
+FAMILY = {"llama3": "llama", "llama_linear": "llama"}   # the architecture of a golden model
 FRAMEWORKS = ("linen", "nnx", "haiku")
 
 
@@ -106,7 +109,7 @@ def test_sliding_window_limits_the_length():
 @pytest.mark.parametrize("name", MODELS)
 def test_round_trip_is_bit_exact(name, tmp_path):
   weights, cfg = layers.from_hf(DATA / name)
-  files = layers.to_hf(weights, cfg, tmp_path / "out", architecture=name,
+  files = layers.to_hf(weights, cfg, tmp_path / "out", architecture=FAMILY.get(name, name),
                        max_shard_bytes=40_000)
   assert "model.safetensors.index.json" in files   # sharded on the way back too
   again, cfg2 = layers.from_hf(tmp_path / "out")
@@ -270,12 +273,29 @@ def test_unsupported_architecture(tmp_path):
 
 
 @pytest.mark.parametrize("name, changes, message", [
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}),
+     r"rope_parameters.rope_type='yarn': layers computes rope_type 'default', 'linear' and "
+     r"'llama3' only"),
+    ("llama", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
+     "rope_scaling.rope_type='dynamic'"),
     ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     "rope_parameters.rope_type='llama3': scaled RoPE is not supported"),
-    ("llama", dict(rope_scaling={"type": "linear", "factor": 2.0}),
-     "rope_scaling.rope_type='linear'"),
-    ("llama", dict(attention_bias=True), "attention_bias=True: Llama's flag also adds a bias "
-                                         "to o_proj"),
+     r"rope_parameters.rope_type='llama3' lacks \['low_freq_factor', 'high_freq_factor'\]"),
+    ("llama3", dict(rope_parameters={**json.loads((DATA / "llama3" / "config.json").read_text())
+                                     ["rope_parameters"], "low_freq_factor": 4.0}),
+     r"rope_parameters: rope_scaling: low_freq_factor=4.0 must be below high_freq_factor=4.0"),
+    ("llama", dict(rope_parameters={"full_attention": {"rope_type": "default"},
+                                    "sliding_attention": {"rope_type": "default"}}),
+     r"rope_parameters is nested per layer type"),
+    ("llama", dict(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5: layers rotates "
+                                               "the whole head_dim"),
+    ("qwen3", dict(attention_bias=True), "attention_bias=True: Qwen3ForCausalLM's flag also "
+                                         "adds a bias to o_proj"),
+    ("qwen3", dict(use_sliding_window=True, sliding_window=8),
+     "use_sliding_window=True: sliding-window attention is not supported"),
+    ("mixtral", dict(router_jitter_noise=0.1), r"router_jitter_noise=0.1: layers' router has "
+                                               "no jitter"),
+    ("llama", dict(attention_bias=True), "attention_bias=True: LlamaForCausalLM's flag also "
+                                         "adds a bias to o_proj"),
     ("llama", dict(mlp_bias=True), "mlp_bias=True: layers' MLP has no biases"),
     ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=8),
@@ -297,8 +317,19 @@ def test_to_hf_errors(tmp_path):
   partial = {k: v for k, v in weights.items() if k != "final_norm/scale"}
   with pytest.raises(hf.HFError, match=r"final_norm/scale: missing from the weights"):
     layers.to_hf(partial, cfg, tmp_path)
-  with pytest.raises(hf.HFError, match=r"num_experts=2: Llama/Mistral/Qwen2 are dense"):
-    layers.to_hf(weights, dataclasses.replace(cfg, num_experts=2), tmp_path)
+  with pytest.raises(hf.HFError, match=r"num_experts=2 but architecture='qwen2': only "
+                                       r"mixtral has experts[\s\S]*blocks/moe/router: missing"):
+    layers.to_hf(weights, dataclasses.replace(cfg, num_experts=2), tmp_path,
+                 architecture="qwen2")
+  weights, cfg = layers.from_hf(DATA / "qwen3")
+  with pytest.raises(hf.HFError, match=r"qk_norm=True but architecture='llama': only qwen3 "
+                                       r"has qk_norm"):
+    layers.to_hf(weights, cfg, tmp_path, architecture="llama")
+  weights, cfg = layers.from_hf(DATA / "mixtral")
+  with pytest.raises(hf.HFError, match=r"num_experts=0 but architecture='mixtral'[\s\S]*"
+                                       r"blocks/moe/wo: not a weight of this config"):
+    layers.to_hf(weights, dataclasses.replace(cfg, num_experts=0), tmp_path,
+                 architecture="mixtral")
   assert not list(tmp_path.iterdir())   # nothing written on error
 
 
@@ -309,7 +340,7 @@ def test_transformers_loads_to_hf_output(name, tmp_path):
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   weights, cfg = layers.from_hf(DATA / name)
-  layers.to_hf(weights, cfg, tmp_path, architecture=name)
+  layers.to_hf(weights, cfg, tmp_path, architecture=FAMILY.get(name, name))
   model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path,
                                                             attn_implementation="eager")
   tokens, expected = golden(name)
