@@ -10,7 +10,9 @@ Mesh loading is checked against the one-device load and by counting the bytes sa
 """
 
 import dataclasses
+import importlib.util
 import json
+import math
 import pathlib
 import shutil
 
@@ -38,10 +40,20 @@ def golden(name):
     return f["tokens"], f["logits"]
 
 
-def logits_of(framework, weights, cfg, tokens):
+def logits_of(framework, weights, cfg, tokens, **kw):
   built = build(framework, cfg, tokens=jnp.asarray(tokens))
   params = layers.from_canonical(weights, like=built.params)
-  return np.asarray(built.apply(params, jnp.asarray(tokens)))
+  out = built.apply(params, jnp.asarray(tokens), **kw)
+  return jax.tree.map(np.asarray, out)
+
+
+def goldens_script():
+  """``scripts/make_hf_goldens.py`` as a module (for its ``random_model`` and ``greedy``)."""
+  path = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "make_hf_goldens.py"
+  spec = importlib.util.spec_from_file_location("make_hf_goldens", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
 
 
 def assert_logits_close(ours, theirs):
@@ -86,6 +98,50 @@ def test_every_field_matters():
   assert np.abs(wrong - expected).max() > 1e-2
 
 
+@pytest.mark.slow
+def test_every_field_of_the_new_families_matters():
+  """RoPE scaling (and which one), q/k norm scales, the router's k and a capacity that drops
+  tokens all move the logits far outside the tolerance: the goldens test each."""
+  def wrong(name, weights=None, **change):
+    tokens, expected = golden(name)
+    loaded, cfg = layers.from_hf(DATA / name)
+    out = logits_of("linen", weights or loaded, dataclasses.replace(cfg, **change), tokens,
+                    return_aux=True)
+    return np.abs(out[0] - expected).max(), int(out[1]["dropped_tokens"])
+
+  assert wrong("llama3", rope_scaling=None)[0] > 1e-2
+  assert wrong("llama3", rope_scaling=layers.RopeScaling("linear", 8.0))[0] > 1e-2
+  assert wrong("llama_linear", rope_scaling=None)[0] > 1e-2
+  weights, _ = layers.from_hf(DATA / "qwen3")
+  ones = {k: jnp.ones_like(v) if k.endswith("_norm/scale") else v for k, v in weights.items()}
+  assert wrong("qwen3", ones)[0] > 1e-2
+  swapped = {**weights, "blocks/attn/query_norm/scale": weights["blocks/attn/key_norm/scale"],
+             "blocks/attn/key_norm/scale": weights["blocks/attn/query_norm/scale"]}
+  assert wrong("qwen3", swapped)[0] > 1e-2
+  assert wrong("mixtral", experts_per_token=1)[0] > 1e-2
+  error, dropped = wrong("mixtral", capacity_factor=1.0)    # 6 slots for 12 tokens
+  assert dropped > 0 and error > 1e-2
+  assert wrong("mixtral")[1] == 0                           # from_hf's capacity: none dropped
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_greedy_continuation_matches_transformers(name):
+  """The golden greedy continuation (transformers' generate, KV cache) equals layers' greedy
+  choice from the whole sequence, token for token: what a decode test compares against."""
+  with np.load(DATA / name / "golden.npz") as f:
+    prompt, generated = f["prompt"], f["generated"]
+  weights, cfg = layers.from_hf(DATA / name)
+  built = build("linen", cfg, tokens=jnp.asarray(generated))
+  params = layers.from_canonical(weights, like=built.params)
+  tokens = prompt
+  while tokens.shape[1] < generated.shape[1]:
+    logits = np.asarray(built.apply(params, jnp.asarray(tokens)))
+    tokens = np.concatenate([tokens, logits[:, -1].argmax(-1)[:, None]], axis=1)
+  np.testing.assert_array_equal(tokens, generated)
+  assert generated.shape == (2, prompt.shape[1] + 8)
+
+
 def test_configs():
   _, llama = layers.from_hf(DATA / "llama")
   assert (llama.head_dim, llama.num_heads, llama.num_kv_heads, llama.tie_embeddings,
@@ -96,6 +152,152 @@ def test_configs():
   weights, qwen = layers.from_hf(DATA / "qwen2")
   assert qwen.qkv_bias and qwen.tie_embeddings and "lm_head/kernel" not in weights
   assert weights["blocks/attn/key/bias"].shape == (2, 2, 8)
+  assert llama.rope_scaling is None and not (llama.qk_norm or qwen.qk_norm)
+  _, llama3 = layers.from_hf(DATA / "llama3")
+  assert llama3.rope_scaling == layers.RopeScaling("llama3", 8.0, low_freq_factor=1.0,
+                                                   high_freq_factor=4.0, original_max_len=128)
+  assert (llama3.max_len, llama3.num_kv_heads, llama3.tie_embeddings) == (1024, 1, True)
+  _, linear = layers.from_hf(DATA / "llama_linear")
+  assert linear.rope_scaling == layers.RopeScaling("linear", 4.0)
+  weights, qwen3 = layers.from_hf(DATA / "qwen3")
+  assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 16
+  assert weights["blocks/attn/query_norm/scale"].shape == (2, 16)
+  weights, mixtral = layers.from_hf(DATA / "mixtral")
+  assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.capacity_factor,
+          mixtral.mlp_dim) == (4, 2, 2.0, 24)
+  assert weights["blocks/moe/router"].shape == (2, 32, 4)
+  assert weights["blocks/moe/wi_gate"].shape == (2, 4, 32, 24)
+  assert not any(k.startswith("blocks/mlp/") for k in weights)
+  # layer 1, expert 3 of each canonical weight is that expert's own tensor, transposed
+  with safetensors.safe_open(DATA / "mixtral" / "model.safetensors", "numpy") as f:
+    e = "model.layers.1.block_sparse_moe."
+    for name, key in (("wi_gate", "experts.3.w1"), ("wi_up", "experts.3.w3"),
+                      ("wo", "experts.3.w2")):
+      np.testing.assert_array_equal(np.asarray(weights[f"blocks/moe/{name}"][1, 3]),
+                                    f.get_tensor(f"{e}{key}.weight").T)
+    np.testing.assert_array_equal(np.asarray(weights["blocks/moe/router"][1]),
+                                  f.get_tensor(f"{e}gate.weight").T)
+
+
+def test_transformers_4_rope_scaling_spelling(tmp_path):
+  """Llama 3.1's config.json on the Hub (transformers 4.x): ``rope_scaling`` with ``type``
+  or ``rope_type`` and a top-level ``rope_theta`` read as transformers 5's
+  ``rope_parameters``."""
+  _, expected = layers.from_hf(DATA / "llama3")
+  directory = copy_of("llama3", tmp_path)
+  scaling = json.loads((directory / "config.json").read_text())["rope_parameters"]
+  theta = scaling.pop("rope_theta")
+  for kind in ("rope_type", "type"):
+    scaling[kind] = scaling.pop("rope_type", None) or scaling.pop("type")
+    edit_config(directory, rope_parameters=None, rope_scaling=scaling, rope_theta=theta)
+    assert layers.from_hf(directory)[1] == expected
+
+
+def meta_llama3_frequencies(head_dim, theta, factor, low, high, old):
+  """Meta's reference ``apply_scaling`` (llama-models, Llama 3.1), in float64 loops."""
+  out = []
+  for i in range(0, head_dim, 2):
+    freq = 1.0 / theta ** (i / head_dim)
+    wavelen = 2 * math.pi / freq
+    if wavelen < old / high:
+      out.append(freq)
+    elif wavelen > old / low:
+      out.append(freq / factor)
+    else:
+      smooth = (old / wavelen - low) / (high - low)
+      out.append((1 - smooth) * freq / factor + smooth * freq)
+  return np.array(out)
+
+
+@pytest.mark.parametrize("head_dim, theta, factor, low, high, old", [
+    (128, 500_000.0, 8.0, 1.0, 4.0, 8192),     # Llama 3.1 / 3.3
+    (64, 500_000.0, 32.0, 1.0, 4.0, 8192),     # Llama 3.2 1B
+    (8, 10_000.0, 8.0, 1.0, 4.0, 128),         # the golden
+])
+def test_llama3_frequencies_match_metas_reference(head_dim, theta, factor, low, high, old):
+  from layers import _core
+  scaling = layers.RopeScaling("llama3", factor, low, high, old)
+  ours = np.asarray(_core.rope_frequencies(head_dim, theta=theta, scaling=scaling))
+  np.testing.assert_allclose(ours, meta_llama3_frequencies(head_dim, theta, factor, low, high,
+                                                           old), rtol=2e-6)
+  plain = np.asarray(_core.rope_frequencies(head_dim, theta=theta))
+  linear = _core.rope_frequencies(head_dim, theta=theta,
+                                  scaling=layers.RopeScaling("linear", factor))
+  np.testing.assert_allclose(np.asarray(linear), plain / factor, rtol=1e-7)
+
+
+@pytest.mark.parametrize("kind, fields", [
+    ("llama3", dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                    original_max_position_embeddings=8192)),
+    ("llama3", dict(factor=32.0, low_freq_factor=2.0, high_freq_factor=8.0,
+                    original_max_position_embeddings=512)),
+    ("linear", dict(factor=3.0)),
+])
+def test_rope_frequencies_match_transformers(kind, fields):
+  pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+  from layers import _core
+  hf_config = transformers.LlamaConfig(
+      hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=100_000,
+      rope_parameters={"rope_type": kind, "rope_theta": 500_000.0, **fields})
+  theirs = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")[0].numpy()
+  cfg, _ = hf.config_from_hf(hf_config.to_dict())
+  ours = _core.rope_frequencies(128, theta=cfg.rope_theta, scaling=cfg.rope_scaling)
+  np.testing.assert_allclose(np.asarray(ours), theirs, rtol=1e-6)
+
+
+# Checkpoints of other shapes than the goldens, built by transformers in the test:
+# (family, config fields) with and without tied embeddings, GQA / MQA / MHA.
+FRESH = [
+    ("llama", dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3, head_dim=8,
+                   num_hidden_layers=3, vocab_size=130, tie_word_embeddings=True,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500_000.0,
+                                    "factor": 4.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 2.0,
+                                    "original_max_position_embeddings": 32})),
+    ("llama", dict(hidden_size=24, num_attention_heads=2, num_key_value_heads=1, head_dim=12,
+                   vocab_size=70, tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "linear", "rope_theta": 10_000.0,
+                                    "factor": 2.5})),
+    ("qwen3", dict(hidden_size=40, num_attention_heads=2, num_key_value_heads=1, head_dim=24,
+                   vocab_size=200, tie_word_embeddings=False)),
+    ("qwen3", dict(hidden_size=32, num_attention_heads=6, num_key_value_heads=3, head_dim=4,
+                   num_hidden_layers=3, vocab_size=64, tie_word_embeddings=True)),
+    ("mixtral", dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3, head_dim=8,
+                     num_local_experts=5, num_experts_per_tok=3, intermediate_size=20,
+                     vocab_size=90, tie_word_embeddings=True)),
+    ("mixtral", dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=1, head_dim=6,
+                     num_local_experts=3, num_experts_per_tok=1, intermediate_size=16,
+                     num_hidden_layers=3, vocab_size=50, tie_word_embeddings=False)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, fields", FRESH)
+def test_fresh_checkpoints_of_other_shapes_match_transformers(family, fields, tmp_path):
+  """Only with the optional [hf] extra: a random checkpoint of another shape, saved by
+  transformers; from_hf + a layers model give its logits and its greedy continuation."""
+  torch = pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  script = goldens_script()
+  fields = {"num_hidden_layers": 2, "intermediate_size": 40, "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-6, **fields}
+  model = script.random_model(family, fields, seed=len(tmp_path.name))
+  model.save_pretrained(tmp_path)
+  tokens = np.random.default_rng(1).integers(0, fields["vocab_size"], (3, 10))
+  with torch.no_grad():
+    expected = model(torch.from_numpy(tokens)).logits.numpy()
+  generated, _ = script.greedy(model, tokens[:, :4], new_tokens=5)
+  weights, cfg = layers.from_hf(tmp_path)
+  assert cfg.tie_embeddings == fields["tie_word_embeddings"]
+  assert_logits_close(logits_of("linen", weights, cfg, tokens), expected)
+  ours = tokens[:, :4]
+  while ours.shape[1] < generated.shape[1]:
+    logits = logits_of("linen", weights, cfg, ours)
+    ours = np.concatenate([ours, logits[:, -1].argmax(-1)[:, None]], axis=1)
+  np.testing.assert_array_equal(ours, generated)
 
 
 @pytest.mark.slow

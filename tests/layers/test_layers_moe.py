@@ -99,3 +99,20 @@ def test_dropped_tokens_get_no_expert_output():
   assert int(aux["dropped_tokens"]) == B * L - distinct
   routed = np.asarray(jnp.abs(y).sum(-1) > 0)
   np.testing.assert_array_equal(routed, kept[..., 0])     # dropped tokens output zero
+
+
+@pytest.mark.parametrize("length, experts, k", [(8, 4, 2), (7, 3, 2), (13, 8, 2), (5, 6, 1),
+                                                (9, 7, 3)])
+def test_capacity_factor_experts_over_k_never_drops(length, experts, k):
+  """The rule from_hf uses for Mixtral: capacity_factor = num_experts / k gives each expert a
+  slot for every token of the sequence, so even when every token picks the same experts
+  (the worst imbalance) nothing is dropped."""
+  assert _moe.capacity(length, experts, k, experts / k) >= length
+  skewed = jnp.broadcast_to(jnp.arange(experts, 0, -1, dtype=jnp.float32), (2, length, experts))
+  r = _moe.route(skewed, k=k, capacity_factor=experts / k)
+  assert int(r.dropped_tokens) == 0
+  np.testing.assert_allclose(np.asarray(r.combine).sum((-1, -2)), 1.0, rtol=1e-6)
+  # one slot fewer per expert and the same routing drops tokens
+  factor = (length - 1) * experts / (length * k)
+  assert _moe.capacity(length, experts, k, factor) == length - 1
+  assert int(_moe.route(skewed, k=k, capacity_factor=factor).dropped_tokens) == 2 * k
