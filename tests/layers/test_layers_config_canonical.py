@@ -168,3 +168,19 @@ def test_transformer_rejects_bad_tokens_with_the_fix(framework):
     m.apply(m.params, jnp.zeros((2, 4), jnp.float32))
   with pytest.raises(LayerArgumentError, match=r"shape \(8,\); expected \(batch, length\)"):
     m.apply(m.params, jnp.zeros((8,), jnp.int32))
+
+
+def test_rope_scaling_is_validated_hashable_and_read_from_a_mapping():
+  scaling = layers.RopeScaling("llama3", 8.0, original_max_len=8192)
+  cfg = layers.TransformerConfig(rope_scaling={"kind": "llama3", "factor": 8.0})
+  assert cfg.rope_scaling == scaling and hash(cfg) == hash(layers.TransformerConfig(
+      rope_scaling=scaling))
+  with pytest.raises(layers.ConfigError, match=r"rope_scaling.kind='yarn' must be one of "
+                                               r"\['linear', 'llama3'\][\s\S]*"
+                                               r"rope_scaling.factor=-1.0 must be a positive"):
+    layers.TransformerConfig(rope_scaling=layers.RopeScaling("yarn", -1.0))
+  with pytest.raises(layers.ConfigError, match=r"rope_scaling=\{'factor': 2.0\} needs kind "
+                                               r"and factor"):
+    layers.TransformerConfig(rope_scaling={"factor": 2.0})
+  with pytest.raises(layers.ConfigError, match=r"capacity_factor=0 must be a positive number"):
+    layers.TransformerConfig(num_experts=2, capacity_factor=0)
