@@ -170,6 +170,33 @@ def test_train_cli_rejects_a_conflicting_model_override(tmp_path, capsys):
   assert "Drop these model.* overrides" in err
 
 
+def test_train_cli_rejects_a_checkpoint_it_cannot_express(tmp_path, capsys):
+  """A config.json layers cannot compute (yarn RoPE): rc 2 and a message naming it."""
+  import json
+  import shutil
+  directory = pathlib.Path(shutil.copytree(DATA / "llama3", tmp_path / "ckpt"))
+  hf = json.loads((directory / "config.json").read_text())
+  hf["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}
+  (directory / "config.json").write_text(json.dumps(hf))
+  rc = train.main([f"init_from={directory}", "steps=1", f"out_dir={tmp_path / 'run'}"])
+  assert rc == 2
+  assert "rope_parameters.rope_type='yarn': layers computes rope_type 'default', 'linear' " \
+         "and 'llama3' only" in capsys.readouterr().err
+
+
+def test_new_families_resolve_from_their_checkpoints():
+  config = load_config(train.default_config_path(), ["steps=1"])
+  for name, field, value in (("llama3", "rope_scaling", layers_scaling()),
+                             ("qwen3", "qk_norm", True), ("mixtral", "num_experts", 4)):
+    model = init_from.resolve_model(DATA / name, config.model)
+    assert getattr(model, field) == value, name
+
+
+def layers_scaling():
+  import layers
+  return layers.RopeScaling("llama3", 8.0, 1.0, 4.0, 128)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
 def test_the_params_to_fill_are_abstract_with_the_real_shardings(framework):
