@@ -82,7 +82,9 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
     param_axes: logical axes of the parameters (a matching tree of tuples, ``None`` for "as
       the parameter is"), or a path table (``partition.PathRules`` or a list of ``(regex,
       axes)`` pairs); default: read from the tree
-      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``).
+      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``), else each
+      parameter's own sharding (a committed array's, read before the jitted step; inside an
+      enclosing ``jax.jit`` only Explicit axes show it).
     rules: an ``AxisRules`` (or pairs / a file path); default: the ``partition.axis_rules``
       context. ``None`` with no context: nothing is sharded (micro-batching still works).
     mesh: default: the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh.
