@@ -1,5 +1,6 @@
-"""The one pytest conftest: 8 virtual CPU devices, compile settings for a short test run, the
-``slow`` and ``bitwise`` markers, and ``child_env`` for the processes tests start.
+"""The root pytest conftest: 8 virtual CPU devices, compile settings for a short test run, the
+``slow``, ``bitwise`` and ``accelerator`` markers, ``child_env`` for the processes tests start
+and ``user_env`` for those that run on the real backend (``tests/accelerator``).
 
 It sits at the repository root so that doctests in ``partition/``, ``layers/`` and ``recipes/``
 and every test under ``tests/`` get the same setup.
@@ -12,6 +13,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+# The environment pytest was started with, before the CPU settings below: the accelerator
+# tests (tests/accelerator) start their processes from it, on the machine's real backend.
+_USER_ENV = dict(os.environ)
 
 # Must happen before JAX initialises its backends.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -103,10 +108,30 @@ SLOW_FILES = frozenset({
 _ROOT = Path(__file__).parent
 
 
+# Every test in this folder runs its work in a process on the real backend (a GPU or TPU) and
+# is skipped without one (tests/accelerator/conftest.py): marked `accelerator` and `slow`.
+ACCELERATOR_DIR = "tests/accelerator/"
+
+
 def pytest_collection_modifyitems(config, items):
   for item in items:
-    if item.path.relative_to(_ROOT).as_posix() in SLOW_FILES:
+    path = item.path.relative_to(_ROOT).as_posix()
+    if path in SLOW_FILES:
       item.add_marker(pytest.mark.slow)
+    if path.startswith(ACCELERATOR_DIR):
+      item.add_marker(pytest.mark.accelerator)
+      item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def user_env() -> dict[str, str]:
+  """The environment pytest was started with (no forced CPU platform, device count, -O0 or
+  CPU-only XLA flags), with this checkout first on ``PYTHONPATH`` and this session's
+  compilation cache: for processes that run on the machine's own backend."""
+  env = dict(_USER_ENV)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
+  env["JAX_COMPILATION_CACHE_DIR"] = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  return env
 
 
 @pytest.fixture

@@ -82,7 +82,8 @@ STRICT_FIX = (
     "pattern, None to replicate on purpose), remove unused patterns, pad the dims or choose "
     "rules that divide them; or pass strict=False.")
 
-PATTERN_FIX = ("Fix or remove the path patterns that match nothing (print the paths with "
+PATTERN_FIX = ("Fix or remove the path patterns that match nothing, and put a shadowed "
+               "pattern before the one that claims its parameters (print the paths with "
                "partition.PathRules(...).match(params) to see them).")
 
 SPEC_FIX = ("Mesh axes given directly (nn.with_partitioning, a PartitionSpec) must be axes of "
@@ -144,7 +145,8 @@ def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: 
   spec_fatal = bool(fatal)
   if path_match is not None:
     # A pattern that matches no parameter cannot be intended: an error in both modes.
-    fatal += [f"path pattern {p!r} matches no parameter" for p in path_match.unused]
+    # A shadowed one (every parameter it matches is claimed first) says by which pattern.
+    fatal += path_match.unused_problems()
   if strict and path_match is not None:
     problems += [f"{p}: no declared axes and no path pattern matches it"
                  for p in path_match.unmatched]

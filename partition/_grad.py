@@ -82,7 +82,9 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
     param_axes: logical axes of the parameters (a matching tree of tuples, ``None`` for "as
       the parameter is"), or a path table (``partition.PathRules`` or a list of ``(regex,
       axes)`` pairs); default: read from the tree
-      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``).
+      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``), else each
+      parameter's own sharding (a committed array's, read before the jitted step; inside an
+      enclosing ``jax.jit`` only Explicit axes show it).
     rules: an ``AxisRules`` (or pairs / a file path); default: the ``partition.axis_rules``
       context. ``None`` with no context: nothing is sharded (micro-batching still works).
     mesh: default: the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh.
@@ -140,13 +142,17 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
                     "(params, batch, *rest): keys are extra arguments after the batch.")
   config = _Config(loss_fn, batch_axes, param_axes, rules, mesh, has_aux, microbatches,
                    batch_axis, rng_argnums, grad_reduction)
-  jitted = jax.jit(config.step)
+  jitted = jax.jit(config.step, static_argnames="known")
 
   def step(params, batch, *rest):
     args = (params, batch, *rest)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
       return config.step(*args)
-    return jitted(*config.place(params, batch), *rest)
+    params, batch = config.place(params, batch)
+    # The committed params' shardings are read here, where they are concrete: inside the
+    # jitted step a parameter without logical axes is a tracer whose Auto-axis sharding JAX
+    # does not show, and its gradient would have nothing to keep.
+    return jitted(params, batch, *rest, known=_KnownSpecs.of(config, params))
 
   step.__name__ = f"value_and_grad_{getattr(loss_fn, '__name__', 'loss')}"
   step.__doc__ = loss_fn.__doc__
@@ -186,11 +192,12 @@ class _Config:
                          axes, batch, is_leaf=is_axes_leaf)
     return params, batch
 
-  def step(self, params, batch, *rest):
+  def step(self, params, batch, *rest, known: _KnownSpecs | None = None):
     rules, mesh = self.context()
     batch_plan = _BatchPlan.build(self, batch, rules, mesh)
     k = batch_plan.k
-    param_specs = _param_specs(self.param_axes, params, rules, mesh)
+    param_specs = (known.specs() if known is not None
+                   else _param_specs(self.param_axes, params, rules, mesh))
     once = _reduce_once_rule(self, batch_plan, param_specs, rules, mesh)
     if once is not None:
       try:
@@ -279,11 +286,26 @@ def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mes
         f"value_and_grad(grad_reduction='once'): the batch's mesh axes {explicit} are "
         "Explicit; reducing once is built on Auto axes. Use a mesh with AxisType.Auto for "
         "them, or grad_reduction='auto' (per micro-batch on Explicit axes).")
+  specs = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec) if param_specs else [None]
+  if None in specs:
+    # A parameter whose sharding is unknown here (traced inside the caller's jit on Auto
+    # axes, with no logical axes): the loop below would hand XLA an unconstrained sum, and
+    # its gradient would come back replicated. The per-micro-batch loop leaves it to
+    # propagation from the parameter, which keeps the parameter's sharding.
+    if config.grad_reduction == "once":
+      raise GradSpecError(format_message(
+          "value_and_grad(grad_reduction='once'): the shardings of some parameters are "
+          "unknown (they have no logical axes, and inside an enclosing jax.jit JAX does not "
+          "show an Auto-axis sharding), so their reduced gradients could not be put back "
+          "on them.",
+          bullets=_unknown_paths(param_specs),
+          fix="Give param_axes= (or declare the axes in the model), call the step outside "
+              "jax.jit with committed parameters, or use grad_reduction='auto'."))
+    return None
   if config.grad_reduction == "once":
     return lambda spec: True
   if explicit:
     return None
-  specs = jax.tree_util.tree_leaves(param_specs, is_leaf=_is_spec) if param_specs else [None]
   if all(uses_axes(s, axes) for s in specs):
     return None  # every parameter is sharded over the batch axes: per micro-batch (today's)
   return lambda spec: not uses_axes(spec, axes)
@@ -434,14 +456,55 @@ def _param_specs(param_axes, params, rules, mesh):
   return jax.tree_util.tree_unflatten(structure, specs)
 
 
-def _param_spec(axes, subtree, rules, mesh) -> PartitionSpec | list:
+def _param_spec(axes, subtree, rules, mesh) -> PartitionSpec | None:
   (leaf,) = jax.tree_util.tree_leaves(subtree) or (None,)
   if axes is not None:
     return rules.spec(tuple(axes), np.shape(leaf), mesh)
-  sharding = getattr(leaf, "sharding", None)
-  if isinstance(sharding, NamedSharding) and not isinstance(leaf, jax.core.Tracer):
-    return sharding.spec
-  return None
+  return _own_spec(leaf, mesh)
+
+
+def _own_spec(leaf, mesh) -> PartitionSpec | None:
+  """The spec ``leaf`` is placed with on ``mesh``'s axes, or ``None`` where that is unknown:
+  a concrete array's ``NamedSharding``; for a tracer, its type's sharding when every axis of
+  that mesh is Explicit (on Auto axes a tracer's type does not carry its sharding)."""
+  if isinstance(leaf, jax.core.Tracer):
+    sharding = getattr(jax.typeof(leaf), "sharding", None)
+    abstract = getattr(sharding, "mesh", None)
+    if abstract is None or abstract.empty or any(
+        t != jax.sharding.AxisType.Explicit for t in abstract.axis_types):
+      return None
+  else:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, NamedSharding):
+      return None
+  spec = sharding.spec
+  names = set(getattr(mesh, "axis_names", ()))
+  return spec if all(a in names for e in spec for a in _mesh.entry_axes(e)) else None
+
+
+def _unknown_paths(param_specs) -> list[str]:
+  paths = jax.tree_util.tree_leaves_with_path(param_specs, is_leaf=_is_spec)
+  return [f"params{jax.tree_util.keystr(p)}" for p, s in paths if s is None]
+
+
+@dataclasses.dataclass(frozen=True)
+class _KnownSpecs:
+  """The parameters' specs as read outside jit, hashable (a static argument of the step)."""
+
+  leaves: tuple
+  treedef: Any
+
+  @staticmethod
+  def of(config: _Config, params) -> _KnownSpecs | None:
+    rules, mesh = config.context()
+    if rules is None or not isinstance(mesh, jax.sharding.Mesh):
+      return None
+    leaves, treedef = jax.tree_util.tree_flatten(
+        _param_specs(config.param_axes, params, rules, mesh), is_leaf=_is_spec)
+    return _KnownSpecs(tuple(leaves), treedef)
+
+  def specs(self):
+    return jax.tree_util.tree_unflatten(self.treedef, self.leaves)
 
 
 def _commit(tree, mesh, spec: PartitionSpec | None):

@@ -76,6 +76,8 @@ class PathMatch:
     unused: patterns that matched no path (a pattern matching a parameter with declared
       axes has matched it, even when the declared axes win).
     overridden: paths whose declared axes a pattern replaced (``override=True``).
+    shadowed: ``{unused pattern: (earlier pattern, a path both match)}`` for the unused
+      patterns that do match parameters, all of them claimed by earlier patterns first.
   """
 
   axes: Any
@@ -84,6 +86,28 @@ class PathMatch:
   unmatched: tuple[str, ...]
   unused: tuple[str, ...]
   overridden: tuple[str, ...] = ()
+  shadowed: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+  def unused_problems(self) -> list[str]:
+    """One line per unused pattern: shadowed (by which pattern) or matching no parameter.
+
+    >>> import jax.numpy as jnp, partition
+    >>> table = partition.PathRules([(r'.*', None), (r'/b$', ('mlp',)), (r'^c$', None)])
+    >>> for line in table.match({'l': {'b': jnp.zeros(3)}}).unused_problems(): print(line)
+    path pattern '/b$' is shadowed: every parameter it matches is claimed first by the \
+earlier pattern '.*' (e.g. l/b); move it before that one or make that one more specific
+    path pattern '^c$' matches no parameter
+    """
+    out = []
+    for p in self.unused:
+      if p in self.shadowed:
+        earlier, path = self.shadowed[p]
+        out.append(f"path pattern {p!r} is shadowed: every parameter it matches is claimed "
+                   f"first by the earlier pattern {earlier!r} (e.g. {path}); move it before "
+                   "that one or make that one more specific")
+      else:
+        out.append(f"path pattern {p!r} matches no parameter")
+    return out
 
   def __str__(self) -> str:
     lines = [f"{len(self.matched)} parameter(s) matched, {len(self.declared)} declared by "
@@ -91,7 +115,9 @@ class PathMatch:
              "pattern(s)" + (f", {len(self.overridden)} overridden" if self.overridden
                              else "")]
     lines += [f"  unmatched path: {p}" for p in self.unmatched]
-    lines += [f"  unused pattern: {p!r}" for p in self.unused]
+    lines += [f"  unused pattern: {p!r}" + (f" (shadowed by {self.shadowed[p][0]!r})"
+                                            if p in self.shadowed else "")
+              for p in self.unused]
     return "\n".join(lines)
 
 
@@ -193,6 +219,7 @@ class PathRules:
     tables = _t5x_tables(tree)
     matched: dict[str, int] = {}
     used: set[int] = set()  # a pattern that matches a path has matched, whichever axes win
+    shadows: dict[int, tuple[int, str]] = {}  # later pattern -> (the first match, a path)
     declared, unmatched, overridden, problems = [], [], [], []
 
     def one(path, leaf):
@@ -201,6 +228,9 @@ class PathRules:
       hit = self.lookup(name)
       if hit is not None:
         used.add(hit[0])
+        for j in range(hit[0] + 1, len(self.pairs)):
+          if j not in shadows and re.search(self.pairs[j][0], name):
+            shadows[j] = (hit[0], name)
       if own is not None and (hit is None or not self.override):
         declared.append(name)
         return fit_rank(own, leaf)[0]
@@ -226,8 +256,10 @@ class PathRules:
               "specific (anchor with '$', e.g. r'/kernel$') so they skip parameters of other "
               "ranks."))
     unused = tuple(p for i, (p, _) in enumerate(self.pairs) if i not in used)
+    shadowed = {self.pairs[j][0]: (self.pairs[i][0], path)
+                for j, (i, path) in sorted(shadows.items()) if j not in used}
     return PathMatch(axes_tree, matched, tuple(declared), tuple(unmatched), unused,
-                     tuple(overridden))
+                     tuple(overridden), shadowed)
 
   def axes(self, tree: Any, *, strict: bool = False) -> Any:
     """The logical-axes tree of ``tree`` (see :meth:`match`).
@@ -245,9 +277,9 @@ class PathRules:
       raise PathRulesError(format_message(
           "PathRules(strict=True): the table does not cover the parameters exactly:",
           bullets=[f"no pattern matches {p}" for p in report.unmatched]
-          + [f"pattern {p!r} matches no parameter" for p in report.unused],
+          + [line[5:] for line in report.unused_problems()],
           fix="Add a pattern for each unmatched path (use None as axes to replicate it), "
-              "fix or remove the unused patterns, or pass strict=False."))
+              "fix, reorder or remove the unused patterns, or pass strict=False."))
     return report.axes
 
   def annotate(self, tree: Any, *, strict: bool = False) -> Any:

@@ -125,7 +125,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
     path: a YAML file with any subset of the keys (nested sections for ``model``,
       ``optimizer``, ``data``, ``distributed``).
     overrides: ``key=value`` strings with dotted keys (``model.num_layers=4``); values are
-      YAML (``mesh={data: 4, fsdp: 2}``, ``resume=true``).
+      YAML (``mesh={data: 4, fsdp: 2}``, ``resume=true``). ``mesh=auto`` is the preset's
+      mesh axes sized to the devices present (:func:`auto_mesh`).
 
   Raises:
     TrainConfigError: listing every unknown key (with a "did you mean") and ill-typed value.
@@ -147,6 +148,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
       continue
     _set_dotted(user, key.strip(), parsed)
   _merge(raw, user)
+  if raw.get("mesh") == AUTO_MESH and isinstance(raw.get("preset"), str):
+    try:
+      raw["mesh"] = auto_mesh(preset_rules(raw["preset"]))
+    except PartitionError:
+      pass  # an unknown preset is reported when the rules are built
   if "microbatches" not in user and isinstance(raw.get("preset"), str):
     try:
       if serial_loops(preset_rules(raw["preset"])):
@@ -315,7 +321,8 @@ def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
     ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, int)
                                          and not isinstance(v, bool) for k, v in value.items())
     return (dict(value), None) if ok else (None, "expected a mapping {mesh axis: size}, "
-                                                 "e.g. {data: 2, fsdp: 2, tensor: 2}")
+                                                 "e.g. {data: 2, fsdp: 2, tensor: 2}, or "
+                                                 "auto")
   return value, None
 
 
@@ -382,6 +389,24 @@ def preset_rules(preset: str):
   """The ``partition.AxisRules`` of a preset name or rules file."""
   import partition
   return partition.AxisRules.from_file(preset_path(preset))
+
+
+AUTO_MESH = "auto"
+
+
+def auto_mesh(rules) -> dict[str, int]:
+  """``mesh=auto``: the mesh axes ``rules`` shard over, every device on the batch's first one
+  (``-1``, which fills the devices the run finds: the local accelerators, else 8 virtual CPU
+  devices) and the others size 1, so the preset's layout runs unchanged on any device count.
+
+  >>> auto_mesh(preset_rules('fsdp_tp')), auto_mesh(preset_rules('pipeline_parallel'))
+  ({'data': -1, 'fsdp': 1, 'tensor': 1}, {'data': -1, 'stage': 1})
+  """
+  axes = mesh_axes_of(rules)
+  first = next((value for name, value in _entries(rules) if name == BATCH_AXIS), None)
+  batch = next((r for r in _resources(first) if isinstance(r, str)), None)
+  fill = batch or (axes[0] if axes else "data")
+  return {a: -1 if a == fill else 1 for a in ([fill] + [a for a in axes if a != fill])}
 
 
 def _entries(rules) -> list[list]:

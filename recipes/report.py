@@ -218,7 +218,7 @@ def print_summary(summary: dict[str, Any], out) -> None:
   mesh = " x ".join(f"{k}={v}" for k, v in summary["mesh"].items())
   rows = [
       ("framework / preset", f"{summary['framework']} / {summary['preset']}"),
-      ("mesh", mesh),
+      ("mesh", mesh + (f" on {summary['devices']}" if summary.get("devices") else "")),
       ("micro-batches", str(summary["microbatches"])),
       ("steps", str(summary["steps"]) + (f" (resumed from {summary['resumed_from']})"
                                          if summary.get("resumed_from") else "")),

@@ -1,7 +1,9 @@
 """Train the ``layers`` Transformer with a sharding strategy chosen by config.
 
 ``python -m recipes.train`` trains the default recipe (``recipes/configs/default.yaml``) on 8
-devices (virtual CPU devices when there is no accelerator). Every part is a config key:
+devices: the accelerators when there are 8, else 8 virtual CPU devices (the run says which and
+why); ``mesh=auto`` sizes the preset's axes to the devices present instead (one GPU: a mesh of
+1). Every part is a config key:
 ``python -m recipes.train --config my.yaml framework=nnx preset=fsdp microbatches=4``.
 
 The step (:func:`train_step`) is ``partition.value_and_grad`` (micro-batched, sharded
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
 import pathlib
@@ -29,8 +32,28 @@ if __name__ == "__main__":
   # out of the progress display; TF_CPP_MIN_LOG_LEVEL=0 shows them. Set before jaxlib loads.
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from recipes import report  # noqa: E402
-from recipes.config import TrainConfig, TrainConfigError, load_config  # noqa: E402
+# Importing these starts no backend: setup_devices still sets the CPU device count first.
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+
+import partition  # noqa: E402
+from partition import PartitionError  # noqa: E402
+from recipes import checkpoint as ckpt_lib  # noqa: E402
+from recipes import data, distributed, init_from, report, rundir  # noqa: E402
+from recipes import model as model_lib  # noqa: E402
+from recipes.config import (  # noqa: E402
+    TrainConfig,
+    TrainConfigError,
+    example_mesh,
+    load_config,
+    mesh_axes_of,
+    preset_rules,
+    serial_loops,
+    without_serial_loops,
+)
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
@@ -55,9 +78,7 @@ def setup_devices(config: TrainConfig) -> None:
   """Before any JAX computation: join a multi-process run if asked, and give the CPU
   backend as many virtual devices as the mesh needs (8 when it has a -1). In a process where
   JAX already runs, its devices are kept (``make_mesh`` checks that there are enough)."""
-  import jax
 
-  from recipes import distributed
   distributed.initialize(config.distributed)
   wanted = math.prod(v for v in config.mesh.values() if v > 0)
   if any(v == -1 for v in config.mesh.values()):
@@ -75,16 +96,33 @@ def setup_devices(config: TrainConfig) -> None:
 
 
 def make_mesh(config: TrainConfig):
-  """The mesh of ``config.mesh`` (``-1`` fills), on the default backend if it has enough
-  devices, else on the CPU's virtual devices."""
-  import jax
-  from jax.sharding import AxisType
+  """The mesh of ``config.mesh`` (``-1`` fills) on :func:`mesh_devices`."""
+  return _mesh_and_note(config)[0]
 
-  devices = jax.devices()
+
+def mesh_devices(config: TrainConfig) -> tuple[list, str]:
+  """The devices the run's mesh goes on, and a line saying which and why.
+
+  The default backend's devices (the accelerators) when there are enough for the fixed sizes
+  of ``config.mesh``, else the CPU's virtual devices (a mesh of 8 on a one-GPU machine still
+  runs, with a note that ``mesh=auto`` would use the GPU)."""
+  devices, backend = jax.devices(), jax.default_backend()
+  fixed = math.prod(v for v in config.mesh.values() if v > 0)
+  if backend == "cpu":
+    forced = (jax.config.jax_platforms or "").strip()
+    return devices, (f"JAX_PLATFORMS={forced}" if forced else "no accelerator found")
+  if len(devices) >= fixed:
+    return devices, f"the {backend} devices present"
+  have = f"{len(devices)} {backend} device{'s' if len(devices) > 1 else ''} " \
+         f"({devices[0].device_kind})"
+  return jax.devices("cpu"), (f"mesh={_mesh_text(config.mesh)} needs {fixed}, this machine has "
+                              f"{have}; mesh=auto trains on {'them' if len(devices) > 1 else 'it'}")
+
+
+def _mesh_and_note(config: TrainConfig):
+  devices, why = mesh_devices(config)
   sizes = dict(config.mesh)
   fixed = math.prod(v for v in sizes.values() if v > 0)
-  if len(devices) < fixed and jax.default_backend() != "cpu":
-    devices = jax.devices("cpu")
   for name, v in sizes.items():
     if v == -1:
       sizes[name] = max(1, len(devices) // fixed)
@@ -92,17 +130,31 @@ def make_mesh(config: TrainConfig):
   if total > len(devices):
     raise TrainConfigError(
         f"mesh={config.mesh} needs {total} devices, but {len(devices)} are available "
-        f"({jax.default_backend()}). Use smaller sizes or -1 for one axis, e.g. "
-        "mesh='{data: -1}'.")
-  return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices[:total],
+        f"({devices[0].platform}). Use smaller sizes or -1 for one axis, e.g. "
+        "mesh='{data: -1}', or mesh=auto (the preset's axes sized to the devices present).")
+  mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices[:total],
                        axis_types=(AxisType.Auto,) * len(sizes))
+  filled = [f"{k}=-1 fills them: {k}={sizes[k]}" for k, v in config.mesh.items() if v == -1]
+  return mesh, f"devices: {devices_text(mesh)}: {'; '.join([why, *filled])}"
+
+
+def devices_text(mesh) -> str:
+  """``8 virtual CPU devices`` / ``1 x NVIDIA H200 (gpu)``: what a mesh runs on."""
+  device = mesh.devices.flat[0]
+  if device.platform == "cpu":
+    return f"{mesh.size} {'virtual ' if mesh.size > 1 else ''}CPU device" + \
+           ("s" if mesh.size > 1 else "")
+  return f"{mesh.size} x {device.device_kind} ({device.platform})"
+
+
+def _mesh_text(sizes: dict[str, int]) -> str:
+  return "{" + ", ".join(f"{k}: {v}" for k, v in sizes.items()) + "}"
 
 
 def make_rules(config: TrainConfig):
   """The preset's rules with ``config.rules`` applied. An explicit ``microbatches`` replaces
   a serial loop the preset gives ``batch`` (``load_config`` leaves ``microbatches=None`` for
   such presets unless the user set it)."""
-  from recipes.config import preset_rules, serial_loops, without_serial_loops
   rules = preset_rules(config.preset)
   if config.microbatches is not None and serial_loops(rules):
     rules = without_serial_loops(rules)
@@ -111,7 +163,6 @@ def make_rules(config: TrainConfig):
 
 def effective_microbatches(config: TrainConfig, rules) -> int:
   """Micro-batches per step: ``config.microbatches``, else the rules' loop on batch, else 1."""
-  from recipes.config import serial_loops
   return config.microbatches or math.prod(serial_loops(rules)) or 1
 
 
@@ -123,8 +174,6 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   Raises:
     TrainConfigError: naming the key and the fix.
   """
-  import partition
-  from recipes.config import example_mesh, mesh_axes_of
   problems = []
   wanted = mesh_axes_of(rules)
   missing = [a for a in wanted if a not in mesh.shape]
@@ -160,7 +209,6 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
 def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
   """A preset that maps ``layers`` to a mesh axis pipelines the scanned block stack: without
   ``scan_layers`` there is no stack to split (the run would silently replicate it)."""
-  import partition
   stage = partition.stage_axis(rules, mesh)
   if stage is None:
     return []
@@ -185,7 +233,6 @@ def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
 
 
 def make_optimizer(config: TrainConfig):
-  import optax
   o = config.optimizer
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, o.learning_rate, warmup_steps=min(o.warmup_steps, config.steps),
@@ -200,8 +247,6 @@ BATCH_AXES = ("batch", "length")
 
 def masked_loss(apply, params, batch):
   """Mean cross-entropy over the scored tokens, and their accuracy (teacher forcing)."""
-  import jax.numpy as jnp
-  import optax
   logits = apply(params, batch["inputs"]).astype(jnp.float32)
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   mask = batch["mask"]
@@ -214,7 +259,6 @@ def masked_loss(apply, params, batch):
 
 def train_step(state, batch, *, grad_fn, tx, schedule):
   """One optimizer step: sharded (micro-batched) gradients, AdamW, the step's metrics."""
-  import optax
   (loss, aux), grads = grad_fn(state["params"], batch)
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -225,7 +269,6 @@ def train_step(state, batch, *, grad_fn, tx, schedule):
 
 def eval_step(params, batch, *, loss_fn, rules, mesh):
   """Loss, token accuracy and exact match of ``params`` on one batch."""
-  import partition
   with partition.axis_rules(rules, mesh):
     loss, aux = loss_fn(params, batch)
   return {"eval_loss": loss, **aux}
@@ -247,15 +290,14 @@ class Run:
   train_step: Any   # jitted train_step(state, batch) -> (state, metrics); donates state
   eval_step: Any    # jitted eval_step(params, batch) -> metrics
   data: Any         # recipes.data.Pipeline: data.batch(step, split) -> sharded global batch
+  devices_note: str = ""  # which devices the mesh is on, and why
 
 
 def init_model(config: TrainConfig, rules, mesh):
   """The model with its initial params, created in their shards: the ``init_from``
   checkpoint's weights (each device reads its own block), else random init from
   ``config.seed``. The one place where initial params are chosen."""
-  from recipes import model as model_lib
   if config.init_from:
-    from recipes import init_from
     return init_from.build_model(config.init_from, config, rules=rules, mesh=mesh)
   example = model_lib.example_tokens(config.batch_size, config.seq_len)
   return model_lib.build(config.framework, config.model, seed=config.seed, example=example,
@@ -264,16 +306,10 @@ def init_model(config: TrainConfig, rules, mesh):
 
 def build_run(config: TrainConfig) -> Run:
   """Mesh, rules (checked against the config), model, optimizer state, steps and data."""
-  import functools
 
-  import jax
-  import jax.numpy as jnp
-  from jax.sharding import NamedSharding
 
-  import partition
-  from recipes import data
 
-  mesh = make_mesh(config)
+  mesh, devices_note = _mesh_and_note(config)
   rules = make_rules(config)
   check_run(config, rules, mesh)
   source = data.make_source(config)
@@ -282,7 +318,7 @@ def build_run(config: TrainConfig) -> Run:
   opt_state = partition.optimizer_init(tx, model.params, param_axes=model.param_axes,
                                        rules=rules, mesh=mesh)
   opt_axes = partition.optimizer_axes(tx, model.params, param_axes=model.param_axes)
-  replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
+  replicated = NamedSharding(mesh, PartitionSpec())
   state = {"params": model.params, "opt_state": opt_state,
            "step": jax.device_put(jnp.zeros((), jnp.int32), replicated)}
   state_axes = {"params": model.param_axes, "opt_state": opt_axes, "step": None}
@@ -299,13 +335,16 @@ def build_run(config: TrainConfig) -> Run:
                                              mesh=mesh))
   pipeline = data.Pipeline(source, config.seed, config.batch_size, batch_shardings)
   return Run(config, mesh, rules, model, tx, schedule, state, state_axes, batch_shardings,
-             step, evaluate_batch, pipeline)
+             step, evaluate_batch, pipeline, devices_note)
 
 
-def device_bytes(tree) -> int:
-  """Bytes of ``tree`` held by the first device (its shards)."""
-  import jax
-  first = jax.local_devices()[0]
+def device_bytes(tree, mesh=None) -> int:
+  """Bytes of ``tree`` held by one device of ``mesh`` (its first local one; default: the
+  mesh of the tree's first ``NamedSharding``), counted over the shards it holds."""
+  if mesh is None:
+    mesh = next((x.sharding.mesh for x in jax.tree.leaves(tree)
+                 if isinstance(x.sharding, NamedSharding)), None)
+  first = mesh.local_devices[0] if mesh is not None else jax.local_devices()[0]
   total = 0
   for x in jax.tree.leaves(tree):
     for shard in x.addressable_shards:
@@ -315,7 +354,6 @@ def device_bytes(tree) -> int:
 
 
 def evaluate(run: Run, params) -> dict[str, float]:
-  import numpy as np
   results = [run.eval_step(params, run.data.batch(i, "eval"))
              for i in range(run.config.eval_batches)]
   return {k: float(np.mean([r[k] for r in results])) for k in results[0]}
@@ -348,11 +386,7 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
     log: where progress lines and notes (``resumed from step N of DIR``) go (default:
       ``sys.stderr``).
   """
-  import jax
-  import numpy as np
 
-  from recipes import checkpoint as ckpt_lib
-  from recipes import report, rundir
 
   out = sys.stdout if out is None else out
   log = sys.stderr if log is None else log
@@ -362,6 +396,7 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
   say = (lambda text: print(text, file=log, flush=True)) if primary else (lambda text: None)
   rundir.check_fresh(config)
   run = build_run(config)
+  say(run.devices_note)
   out_dir.mkdir(parents=True, exist_ok=True)
   ckpt = ckpt_lib.Checkpointer(out_dir / "checkpoints")
   metrics_log = report.MetricsLog(out_dir / "metrics.jsonl", write=primary)
@@ -422,8 +457,9 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
       "eval_loss": metrics_log.last("eval_loss"), "accuracy": metrics_log.last("accuracy"),
       "exact_match": metrics_log.last("exact_match"),
       "tokens_per_s": timer.rate or metrics_log.last("tokens_per_s"),
-      "param_bytes_per_device": device_bytes(run.state["params"]),
-      "optimizer_bytes_per_device": device_bytes(run.state["opt_state"]),
+      "devices": devices_text(run.mesh),
+      "param_bytes_per_device": device_bytes(run.state["params"], run.mesh),
+      "optimizer_bytes_per_device": device_bytes(run.state["opt_state"], run.mesh),
       "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(run.state["params"])),
       "out_dir": str(out_dir),
   }
@@ -438,7 +474,6 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
 def main(argv: Sequence[str] | None = None) -> int:
   """The command line: 0 done (or stopped by SIGTERM with a checkpoint), 2 a mistake in the
   config or arguments (a message, no traceback), 1 a diverged loss, 130 SIGINT."""
-  from partition import PartitionError
   try:
     path, overrides = parse_args(argv)
     config = load_config(path or default_config_path(), overrides)

@@ -141,3 +141,40 @@ def test_mapping_and_repr_and_concat():
   assert table.pairs == (("k$", ("a", None)), ("b$", None))
   assert repr(table) == "PathRules([('k$', ('a', None)), ('b$', None)])"
   assert len(table) == 2
+
+
+def test_a_shadowed_pattern_says_it_is_shadowed_and_by_which_pattern():
+  # '/b$' matches linear/b, but '.*' (earlier) claims every parameter first: it is not a
+  # pattern that matches nothing, and the message says which pattern to move it before.
+  table = partition.PathRules([(r".*", None), (r"/b$", ("mlp",)), (r"^typo$", None)])
+  params = {"linear": {"w": jnp.zeros((4, 8)), "b": jnp.zeros(8)}}
+  report = table.match(params)
+  assert report.unused == ("/b$", "^typo$")
+  assert report.shadowed == {"/b$": (".*", "linear/b")}
+  assert "unused pattern: '/b$' (shadowed by '.*')" in str(report)
+  with pytest.raises(partition.PathRulesError) as e:
+    table.axes(params, strict=True)
+  message = str(e.value)
+  assert ("pattern '/b$' is shadowed: every parameter it matches is claimed first by the "
+          "earlier pattern '.*' (e.g. linear/b); move it before that one") in message
+  assert "pattern '/b$' matches no parameter" not in message
+  assert "pattern '^typo$' matches no parameter" in message
+
+
+def test_init_sharded_reports_a_shadowed_pattern_not_as_matching_nothing():
+  import partition.flax
+
+  class Mlp(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(4)(x)
+
+  mesh = jax.make_mesh((8,), ("data",))
+  with pytest.raises(partition.PlacementError) as e:
+    partition.flax.init_sharded(Mlp(), jax.random.key(0), jnp.ones((2, 3)),
+                                rules=[("mlp", "data")], mesh=mesh,
+                                param_axes=[(r"Dense_0/", None), (r"/bias$", ("mlp",))])
+  message = str(e.value)
+  assert ("path pattern '/bias$' is shadowed: every parameter it matches is claimed first "
+          "by the earlier pattern 'Dense_0/' (e.g. params/Dense_0/bias)") in message
+  assert "put a shadowed pattern before the one that claims its parameters" in message

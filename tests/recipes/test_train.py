@@ -195,6 +195,55 @@ def test_partition_errors_exit_2(tmp_path, capsys):
 # tests/recipes/test_readme_commands.py.
 
 
+# ------------------------------------------------------------------------- devices
+
+
+def test_mesh_auto_is_the_presets_axes_with_every_device_on_the_batch_axis():
+  for preset, fill in [("fsdp_tp", "data"), ("fsdp_pp", "fsdp"), ("pipeline_parallel", "data")]:
+    mesh = load_config(overrides=[f"preset={preset}", "mesh=auto"]).mesh
+    axes = config_lib.mesh_axes_of(config_lib.preset_rules(preset))
+    assert set(mesh) == set(axes) and mesh[fill] == -1  # first entry of 'batch' fills
+    assert all(v == 1 for k, v in mesh.items() if k != fill)
+  with pytest.raises(TrainConfigError, match=r"mesh='autp': expected a mapping .* or auto"):
+    load_config(overrides=["mesh=autp"])
+
+
+def test_per_device_bytes_are_counted_on_the_meshs_devices():
+  # A mesh that leaves out jax.local_devices()[0] (as the CPU mesh of a run on a GPU machine
+  # leaves out the GPU): the count is one of its devices' shards, not that device's zero.
+  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), devices=jax.devices()[4:])
+  x = jax.device_put(np.zeros((8, 6), np.float32),
+                     jax.sharding.NamedSharding(mesh, jax.P("fsdp")))
+  assert train.device_bytes({"x": x}, mesh) == 8 * 6 * 4 // 2
+  assert train.device_bytes({"x": x}) == 8 * 6 * 4 // 2  # the tree's own mesh by default
+
+
+class _FakeGPU:
+  platform, device_kind, id, process_index = "gpu", "NVIDIA H200", 0, 0
+
+
+def test_a_mesh_larger_than_the_accelerators_says_it_runs_on_cpu_and_how_to_use_them(
+    monkeypatch):
+  real = jax.devices
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax, "devices", lambda backend=None: [_FakeGPU()] if backend is None
+                      else real(backend))
+  devices, why = train.mesh_devices(load_config(overrides=[]))
+  assert devices == real("cpu")
+  assert why == ("mesh={data: 2, fsdp: 2, tensor: 2} needs 8, this machine has 1 gpu device "
+                 "(NVIDIA H200); mesh=auto trains on it")
+  devices, why = train.mesh_devices(load_config(overrides=["mesh=auto"]))
+  assert devices == [devices[0]] and isinstance(devices[0], _FakeGPU)
+  assert why == "the gpu devices present"
+
+
+def test_the_run_says_which_devices_and_why(tmp_path):
+  config = _config(tmp_path / "run", "mesh=auto")
+  _, note = train._mesh_and_note(config)
+  assert note == ("devices: 8 virtual CPU devices: JAX_PLATFORMS=cpu; data=-1 fills them: "
+                  "data=8")
+
+
 # ------------------------------------------------------------------------- outputs
 
 
@@ -211,6 +260,7 @@ def test_outputs(tmp_path):
   summary = json.loads((out / "summary.json").read_text())
   assert summary["final_loss"] == records[-1]["loss"]
   assert summary["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert summary["devices"] == "8 virtual CPU devices"
   assert 0 < summary["param_bytes_per_device"] < summary["param_bytes_total"]
 
 
@@ -360,7 +410,8 @@ def test_progress_lines_without_a_terminal(tmp_path):
   log = io.StringIO()
   train.train(_config(tmp_path / "run", "steps=4", "log_every=2"), progress="log",
               out=io.StringIO(), log=log)
-  lines = log.getvalue().splitlines()
+  first, *lines = log.getvalue().splitlines()
+  assert first == "devices: 8 virtual CPU devices: JAX_PLATFORMS=cpu"  # which, and why
   assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
   assert all("loss " in line and " tok/s" in line and "ETA " in line for line in lines)
 
