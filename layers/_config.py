@@ -88,9 +88,9 @@ def _attention_problems(cfg: TransformerConfig) -> list[str]:
     problems.append(f"attention={cfg.attention!r} is not an attention implementation; use one "
                     f"of {list(ATTENTION_IMPLEMENTATIONS)}{hint}")
   block = cfg.attention_block
-  if isinstance(block, bool) or not isinstance(block, int) or block < 8 or block % 8:
-    problems.append(f"attention_block={block!r} must be a positive multiple of 8 (the K/V "
-                    "block width of the blockwise path and the Pallas kernel, e.g. 512)")
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    problems.append(f"attention_block={block!r} must be a positive int (the K/V block width "
+                    "of the blockwise path and the Pallas kernel, e.g. 512)")
   return problems
 
 
