@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
 from layers_testlib import FRAMEWORKS, build, config
 
 import layers
@@ -359,3 +360,49 @@ def test_blockwise_compiled_temp_memory_is_a_fraction_of_xla_at_8192():
   xla, blockwise = temp("xla"), temp("blockwise")
   assert xla >= 8192 * 8192 * 4        # at least one fp32 (L, L) buffer
   assert blockwise * 8 <= xla, (blockwise, xla)
+
+
+# -- every preset equals one device ----------------------------------------------------------
+
+PRESET_CASES = [  # (preset, mesh, framework, config changes)
+    ("data_parallel", {"data": 8}, "linen", {}),
+    ("fsdp", {"data": 2, "fsdp": 4}, "nnx", {}),
+    ("fsdp_tp", {"data": 2, "fsdp": 2, "tensor": 2}, "haiku", {}),
+    ("tensor_parallel", {"data": 4, "tensor": 2}, "linen", {"scan_layers": True}),
+    ("sequence_parallel", {"data": 2, "sequence": 4}, "nnx", {}),
+    ("expert_parallel", {"data": 2, "expert": 4}, "haiku",
+     {"num_experts": 4, "experts_per_token": 2}),
+    ("pipeline_parallel", {"data": 2, "stage": 4}, "linen",
+     {"scan_layers": True, "num_layers": 4, "pipeline_microbatches": 4}),
+]
+
+
+@pytest.mark.parametrize("preset,mesh_shape,framework,changes", PRESET_CASES,
+                         ids=[c[0] for c in PRESET_CASES])
+@pytest.mark.slow
+def test_blockwise_under_every_preset_equals_xla_on_one_device(preset, mesh_shape, framework,
+                                                               changes):
+  from recipes.config import preset_rules
+  tokens = jax.random.randint(jax.random.key(1), (8, 16), 0, 64)
+  valid = jnp.arange(16)[None] >= (jnp.arange(8) % 3)[:, None]
+  seg = (jnp.arange(16)[None] >= 6 + jnp.arange(8)[:, None] % 4).astype(jnp.int32)
+  ref = build(framework, config(attention="xla", **changes), tokens)
+
+  def step(m):
+    def loss(params):
+      logits = m.apply(params, tokens, valid=valid, segment_ids=seg)
+      return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * valid), logits
+    return jax.jit(jax.value_and_grad(loss, has_aux=True))
+
+  (want_loss, want), want_grads = step(ref)(ref.params)
+  mesh = jax.make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape),
+                       axis_types=(AxisType.Auto,) * len(mesh_shape))
+  blockwise = build(framework, config(attention="blockwise", attention_block=8, **changes),
+                    tokens)
+  params = jax.device_put(ref.params, NamedSharding(mesh, P()))  # placement: not the point
+  with partition.axis_rules(preset_rules(preset), mesh):
+    (loss, got), grads = step(blockwise)(params)
+  _close(got, want, atol=2e-5)
+  _close(loss, want_loss, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    _close(a, b, atol=2e-5)
