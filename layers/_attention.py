@@ -287,6 +287,23 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
   return Choice("xla", f"auto: length {q_length} < {BLOCKWISE_MIN_LENGTH}{why}")
 
 
+def choice_for(config: Any, *, batch: int, length: int, rules: Any = None, mesh: Any = None,
+               mask: Mask | None = None) -> Choice:
+  """What a ``TransformerConfig``'s attention runs for ``(batch, length)`` tokens under
+  ``rules`` and ``mesh`` (default: a causal mask), as the model will decide it when traced.
+
+  >>> import layers
+  >>> print(choice_for(layers.TransformerConfig(), batch=2, length=16))
+  xla (auto: length 16 < 2048; no fused kernel on cpu)
+  """
+  shape = (batch, length, config.num_heads, config.head_dim)
+  seq = _query_axes(shape, rules, mesh)[1]
+  return choose(config.attention, backend=backend_of(mesh), dtype=config.dtype,
+                head_dim=config.head_dim, q_length=length,
+                mask=Mask() if mask is None else mask, block=config.attention_block,
+                sequence_sharded=bool(seq))
+
+
 def backend_of(mesh: Any = None) -> str:
   """The platform attention runs on: the mesh's devices', else ``jax.default_backend()``."""
   if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:  # an AbstractMesh has none

@@ -406,3 +406,18 @@ def test_blockwise_under_every_preset_equals_xla_on_one_device(preset, mesh_shap
   _close(loss, want_loss, atol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     _close(a, b, atol=2e-5)
+
+
+def test_explain_says_which_attention_runs_and_why():
+  from recipes import explain
+  from recipes.config import load_config
+  cfg = load_config(overrides=["model.num_layers=1", "model.attention=blockwise"])
+  choice = explain.plan(cfg, compile=False).to_dict()["attention"]
+  assert choice == {"implementation": "blockwise", "reason": "requested"}
+  cfg = load_config(overrides=["model.num_layers=1", "seq_len=16"])
+  p = explain.plan(cfg, compile=False)
+  assert p.to_dict()["attention"]["implementation"] == "xla"
+  assert "length 16 < 2048; no fused kernel on cpu" in p.to_dict()["attention"]["reason"]
+  out = __import__("io").StringIO()
+  explain.render(p, out)
+  assert "attention: xla (auto: length 16 < 2048" in out.getvalue()
