@@ -4,6 +4,9 @@ Framework modules are imported explicitly: ``import layers.linen``, ``layers.nnx
 ``layers.haiku``.
 """
 
+from layers._attention import AttentionError as AttentionError
+from layers._attention import Mask as Mask
+from layers._attention import choice_for as attention_choice
 from layers._config import ConfigError as ConfigError
 from layers._config import RopeScaling as RopeScaling
 from layers._config import TransformerConfig as TransformerConfig

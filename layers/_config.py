@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from partition import PartitionError, format_message
+from partition import PartitionError, did_you_mean, format_message
 
 # Remat policy names -> ``jax.checkpoint`` policies. ``'none'`` means no remat at all;
 # ``'full'`` recomputes everything in the backward pass (policy ``None``).
@@ -142,9 +142,26 @@ def _relations(cfg: TransformerConfig) -> list[str]:
     problems.append(f"capacity_factor={cfg.capacity_factor!r} must be a positive number (MoE "
                     "slots per expert relative to a balanced load; num_experts / "
                     "experts_per_token never drops a token)")
+  problems.extend(_attention_problems(cfg))
   if cfg.remat not in REMAT_POLICIES:
     problems.append(f"remat={cfg.remat!r} is not a remat policy; use one of "
                     f"{sorted(REMAT_POLICIES)}")
+  return problems
+
+
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "blockwise")
+
+
+def _attention_problems(cfg: TransformerConfig) -> list[str]:
+  problems = []
+  if cfg.attention not in ATTENTION_IMPLEMENTATIONS:
+    hint = did_you_mean(str(cfg.attention), ATTENTION_IMPLEMENTATIONS)
+    problems.append(f"attention={cfg.attention!r} is not an attention implementation; use one "
+                    f"of {list(ATTENTION_IMPLEMENTATIONS)}{hint}")
+  block = cfg.attention_block
+  if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+    problems.append(f"attention_block={block!r} must be a positive int (the K/V block width "
+                    "of the blockwise path and the Pallas kernel, e.g. 512)")
   return problems
 
 
@@ -201,6 +218,12 @@ class TransformerConfig:
       a smaller bubble.
     pipeline_repeats: chunks of consecutive blocks per stage, ``r``: 1 is GPipe, ``r > 1``
       the circular schedule (``num_layers`` a multiple of stages x ``r``).
+    attention: the attention implementation (``layers._attention``): ``'auto'`` (the fused
+      kernel of the backend when its constraints hold, cuDNN on GPUs, Pallas splash attention
+      on TPUs; else ``'blockwise'`` for long sequences; else ``'xla'``), ``'xla'`` (einsum +
+      softmax, the reference), ``'cudnn'``, ``'pallas'`` or ``'blockwise'`` (memory-efficient
+      online softmax in pure JAX, any backend). An explicit choice that cannot run raises.
+    attention_block: the K/V block width of ``'blockwise'`` (and the Pallas kernel's block).
 
   Raises:
     ConfigError: listing every invalid field and how to fix it.
@@ -229,6 +252,8 @@ class TransformerConfig:
   qk_norm: bool = False
   pipeline_microbatches: int = 0
   pipeline_repeats: int = 1
+  attention: str = "auto"
+  attention_block: int = 512
 
   def __post_init__(self):
     problems = _positive(self) + _relations(self)

@@ -32,11 +32,12 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import einops
 import jax
 import jax.numpy as jnp
 
 import partition
+from layers import _attention
+from layers._attention import Mask
 
 Array = jax.Array
 
@@ -344,42 +345,44 @@ def rope(x: Array, positions: Array, *, theta: float = 10_000.0, scaling: Any = 
   return out.astype(x.dtype)
 
 
-def dot_product_attention(q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
-  """Softmax attention with grouped-query heads.
+def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | None = None, *,
+                          implementation: str = "auto", block: int = 512) -> Array:
+  """Softmax attention with grouped-query heads, by the implementation ``implementation``
+  (``layers._attention``: ``'auto'``, ``'xla'``, ``'cudnn'``, ``'pallas'``, ``'blockwise'``).
 
   Args:
     q: ``(batch, q_length, heads, head_dim)``.
     k, v: ``(batch, kv_length, kv_heads, head_dim)``; ``heads`` a multiple of ``kv_heads``
       (query head ``h`` uses kv head ``h // (heads // kv_heads)``).
-    mask: bool, broadcastable to ``(batch, heads, q_length, kv_length)``; True = attend.
+    mask: a :class:`layers._attention.Mask` (causal flag, padding, segment ids); or a bool
+      array broadcastable to ``(batch, heads, q_length, kv_length)``, True = attend
+      (``'xla'`` only); or None.
+    implementation, block: see ``layers._attention.dot_product_attention``.
 
   Returns:
     ``(batch, q_length, heads, head_dim)``.
+
+  >>> q = jnp.ones((1, 3, 4, 8)); k = v = jnp.ones((1, 3, 2, 8))
+  >>> dot_product_attention(q, k, v, causal_mask(3)).shape
+  (1, 3, 4, 8)
   """
-  groups = q.shape[2] // k.shape[2]
-  q = einops.rearrange(q, "b l (k g) d -> b l k g d", g=groups) / jnp.sqrt(
-      q.shape[-1]).astype(q.dtype)
-  logits = jnp.einsum("blkgd,bskd->bkgls", q, k)
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, (q.shape[0], q.shape[2] * groups, *logits.shape[-2:]))
-    mask = einops.rearrange(mask, "b (k g) l s -> b k g l s", g=groups)
-    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
-  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgls,bskd->blkgd", weights, v)
-  return einops.rearrange(out, "b l k g d -> b l (k g) d")
+  return _attention.dot_product_attention(q, k, v, mask, implementation=implementation,
+                                          block=block)
 
 
-def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
+def attention_core(q: Array, k: Array, v: Array, *, mask: Mask | Array | None = None,
                    positions: Array | None = None, use_rope: bool = True,
-                   rope_theta: float = 10_000.0, rope_scaling: Any = None) -> Array:
+                   rope_theta: float = 10_000.0, rope_scaling: Any = None,
+                   implementation: str = "auto", block: int = 512) -> Array:
   """Attention on projected heads: constrain, optional RoPE, softmax attention.
 
   Args:
     q: ``(batch, length, heads, head_dim)``; k, v: ``(batch, length, kv_heads, head_dim)``.
-    mask: bool, broadcastable to ``(batch, heads, length, length)``.
+    mask: a ``Mask`` or a bool array broadcastable to ``(batch, heads, length, length)``.
     positions: ``(batch, length)`` ints for RoPE (default ``0..length-1``).
     use_rope: rotate queries and keys; rope_theta: the rotary base; rope_scaling: a
       ``layers.RopeScaling`` of its frequencies or None (:func:`rope_frequencies`).
+    implementation, block: as for :func:`dot_product_attention`.
 
   Returns:
     ``(batch, length, heads, head_dim)``.
@@ -391,7 +394,7 @@ def attention_core(q: Array, k: Array, v: Array, *, mask: Array | None = None,
       positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     q = rope(q, positions, theta=rope_theta, scaling=rope_scaling)
     k = rope(k, positions, theta=rope_theta, scaling=rope_scaling)
-  return dot_product_attention(q, k, v, mask)
+  return dot_product_attention(q, k, v, mask, implementation=implementation, block=block)
 
 
 def split_qkv(fused: Array) -> tuple[Array, Array, Array]:
@@ -408,10 +411,10 @@ def split_qkv(fused: Array) -> tuple[Array, Array, Array]:
   return q, fused[..., per_kv, :], fused[..., per_kv + 1, :]
 
 
-def attention(p: dict, x: Array, *, mask: Array | None = None,
+def attention(p: dict, x: Array, *, mask: Mask | Array | None = None,
               positions: Array | None = None, use_rope: bool = True,
               rope_theta: float = 10_000.0, rope_scaling: Any = None, norm_eps: float = 1e-6,
-              dtype: Any = None) -> Array:
+              dtype: Any = None, implementation: str = "auto", block: int = 512) -> Array:
   """Self-attention on a parameter tree: one fused QKV projection, attention, output.
 
   Args:
@@ -423,7 +426,8 @@ def attention(p: dict, x: Array, *, mask: Array | None = None,
       ``query_norm``/``key_norm`` (``{'scale': (head_dim,)}``, Qwen3's q/k norm) each query
       and key head is RMS-normed (``norm_eps``) before RoPE.
     x: ``(batch, length, embed)``.
-    mask, positions, use_rope, rope_theta, rope_scaling: as for :func:`attention_core`.
+    mask, positions, use_rope, rope_theta, rope_scaling, implementation, block: as for
+      :func:`attention_core`.
 
   Returns:
     ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``.
@@ -438,17 +442,32 @@ def attention(p: dict, x: Array, *, mask: Array | None = None,
     q = rms_norm(q, p["query_norm"]["scale"], eps=norm_eps)
     k = rms_norm(k, p["key_norm"]["scale"], eps=norm_eps)
   out = attention_core(q, k, v, mask=mask, positions=positions, use_rope=use_rope,
-                       rope_theta=rope_theta, rope_scaling=rope_scaling)
+                       rope_theta=rope_theta, rope_scaling=rope_scaling,
+                       implementation=implementation, block=block)
   return partition.constrain(dense(out, p["out"]["kernel"], contract=2, dtype=dtype), EMBED)
 
 
 # -- model-level helpers ---------------------------------------------------------------------
 
 
-def decoder_mask(tokens: Array, valid: Array | None = None) -> Array:
-  """Causal mask, and-ed with a padding mask when ``valid (batch, length)`` is given."""
-  mask = causal_mask(tokens.shape[1])
-  return mask if valid is None else mask & padding_mask(valid)
+def decoder_mask(tokens: Array, valid: Array | None = None,
+                 segment_ids: Array | None = None) -> Mask:
+  """The decoder's mask as structure: causal, with padding and packing when given.
+
+  Args:
+    tokens: ``(batch, length)`` (only its shape is read).
+    valid: ``(batch, length)`` bool, True for real tokens (padding anywhere); or ``(batch,)``
+      ints, the number of real tokens of each row (right padding, which cuDNN takes); or None.
+    segment_ids: ``(batch, length)`` ints, one id per packed sequence, or None.
+
+  >>> m = decoder_mask(jnp.zeros((1, 3), int), valid=jnp.array([2]))
+  >>> m.kind, m.dense(3)[0, 0].astype(int).tolist()
+  ('causal+lengths', [[1, 0, 0], [1, 1, 0], [0, 0, 0]])
+  """
+  del tokens
+  if valid is not None and jnp.ndim(valid) == 1:
+    return Mask(causal=True, lengths=valid, segment_ids=segment_ids)
+  return Mask(causal=True, valid=valid, segment_ids=segment_ids)
 
 
 def merge_aux(aux: dict[str, Array]) -> dict[str, Array]:

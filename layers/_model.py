@@ -32,6 +32,7 @@ import jax.numpy as jnp
 
 import partition
 from layers import _core, _moe
+from layers._attention import Mask
 from layers._config import ConfigError, TransformerConfig
 from layers._params import ParamSpec, block_params, check_tokens
 
@@ -39,7 +40,7 @@ Array = jax.Array
 Params = dict[str, Any]
 
 
-def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
+def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | None,
           positions: Array | None) -> tuple[Array, dict[str, Array]]:
   """Pre-norm decoder block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))`` (or MoE).
 
@@ -47,7 +48,9 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
     p: one block's params (``layers._params.block_params``): ``attn_norm``, ``attn``,
       ``mlp_norm`` and ``mlp`` or ``moe``.
     x: ``(batch, length, embed)``.
-    config: the model's config; mask, positions: as for ``_core.attention``.
+    config: the model's config (``config.attention`` picks the attention implementation);
+    mask: a ``layers._attention.Mask`` (or a dense bool array, ``'xla'`` only);
+    positions: as for ``_core.attention``.
 
   Returns:
     ``(x, aux)``: the block output and ``{'load_balance_loss', 'dropped_tokens'}``.
@@ -56,7 +59,8 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Array | None,
   p = _core.fsdp_gather(p, _block_axes(c), x.shape[0])
   h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
   h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
-                      rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, dtype=c.dtype)
+                      rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, dtype=c.dtype,
+                      implementation=c.attention, block=c.attention_block)
   x = partition.constrain(x + h, _core.EMBED)
   h = _core.rms_norm(x, p["mlp_norm"]["scale"], eps=c.norm_eps)
   if c.num_experts:
@@ -77,7 +81,7 @@ def _block_axes(config: TransformerConfig) -> dict[str, Any]:
 
 
 def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,
-                 mask: Array | None, positions: Array | None
+                 mask: Mask | Array | None, positions: Array | None
                  ) -> tuple[Array, dict[str, Array]]:
   """Runs the block stack: THE seam of the model for layer schedules (e.g. pipelining).
 
@@ -105,24 +109,26 @@ def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: Transforme
   return x, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
 
-def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: Array | None,
-               positions: Array | None) -> tuple[Array, dict[str, Array]]:
+def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig,
+               mask: Mask | Array | None, positions: Array | None
+               ) -> tuple[Array, dict[str, Array]]:
   """The stacked blocks as a pipeline over the mesh axis the rules give ``layers``
-  (``partition.pipeline``, docs/pipeline.md); per-example mask/positions travel with ``x``."""
+  (``partition.pipeline``, docs/pipeline.md); the per-example arrays of the mask and the
+  positions travel with ``x`` (split into micro-batches), the others are shared."""
   if config.num_experts:
     raise ConfigError("layers: a pipelined block stack (the rules map 'layers' to a mesh "
                       "axis) does not collect MoE aux losses; use num_experts=0, or map "
                       "'layers' to None.")
-  per_example = [a is not None and a.shape[0] != 1 for a in (mask, positions)]
+  leaves, tree = jax.tree.flatten((mask, positions))
+  per_example = [a.ndim > 0 and a.shape[0] != 1 for a in leaves]
 
   def layer(p, carry, *shared):
-    rest = iter(carry[1:])
-    fixed = iter(shared)
-    m, pos = (next(rest) if b else next(fixed) for b in per_example)
+    rest, fixed = iter(carry[1:]), iter(shared)
+    m, pos = jax.tree.unflatten(tree, [next(rest) if b else next(fixed) for b in per_example])
     return (run(p, carry[0], config, m, pos)[0], *carry[1:])
 
-  carry = (x, *(a for a, b in zip((mask, positions), per_example) if b))
-  shared = tuple(a for a, b in zip((mask, positions), per_example) if not b)
+  carry = (x, *(a for a, b in zip(leaves, per_example) if b))
+  shared = tuple(a for a, b in zip(leaves, per_example) if not b)
   out = partition.pipeline(layer, blocks, carry, consts=shared,
                            microbatches=config.pipeline_microbatches or None,  # 0: one per stage
                            repeats=config.pipeline_repeats)
@@ -132,17 +138,25 @@ def _pipelined(run, blocks: Params, x: Array, config: TransformerConfig, mask: A
 
 
 def _body(p: Params, x: Array, config: TransformerConfig, tokens: Array,
-          valid: Array | None) -> tuple[Array, dict[str, Array]]:
-  """Embeddings -> final-normed hidden states (everything between lookup and logits)."""
+          valid: Array | None, segment_ids: Array | None = None
+          ) -> tuple[Array, dict[str, Array]]:
+  """Embeddings -> final-normed hidden states (everything between lookup and logits).
+
+  The mask is a small structure (``_core.decoder_mask``: causal flag, padding, segment ids),
+  never a ``(batch, heads, L, L)`` array: each attention implementation builds what it needs.
+  RoPE positions are ``0..L-1`` also for packed rows: attention within a segment depends
+  only on position differences, so restarting them per segment would not change it.
+  """
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-  x, aux = apply_blocks(p["blocks"], x, config, _core.decoder_mask(tokens, valid), positions)
+  mask = _core.decoder_mask(tokens, valid, segment_ids)
+  x, aux = apply_blocks(p["blocks"], x, config, mask, positions)
   scale = _core.fsdp_gather(p["final_norm"]["scale"], ("embed",), tokens.shape[0])
   return _core.rms_norm(x, scale, eps=config.norm_eps), aux
 
 
 def _tied_lm(config: TransformerConfig):
-  """``(table, rest, tokens, valid) -> (logits, aux)`` with the tied table's gradient as ONE
-  dot.
+  """``(table, rest, tokens, valid, segment_ids) -> (logits, aux)`` with the tied table's
+  gradient as ONE dot.
 
   Plain autodiff gives the table two gradient terms, ``onehot(tokens)^T dx0`` (lookup) and
   ``dlogits^T h`` (output projection): two dots over the batch, each reduced over the batch's
@@ -150,12 +164,12 @@ def _tied_lm(config: TransformerConfig):
   backward pass stacks both terms' operands on a new leading dim and contracts them in one
   ``einsum``, so XLA reduces the table's gradient once. Same values up to float32 rounding.
   """
-  def forward(table, rest, tokens, valid, differentiated=True):
+  def forward(table, rest, tokens, valid, segment_ids, differentiated=True):
     # One gathered copy of an FSDP-sharded table serves the lookup, the output projection
     # and the backward pass (XLA would gather it once per use).
     table = _core.fsdp_gather(table, ("vocab", "embed"), tokens.shape[0])
     x0 = partition.constrain(_core.embed(tokens, table, dtype=config.dtype), _core.EMBED)
-    body = lambda r, x: _body(r, x, config, tokens, valid)
+    body = lambda r, x: _body(r, x, config, tokens, valid, segment_ids)
     # Outside autodiff (init, eval) the body is just called: tracing it through jax.vjp
     # would cost a linearization that nothing uses.
     (h, aux), body_vjp = jax.vjp(body, rest, x0) if differentiated else (body(rest, x0), None)
@@ -174,17 +188,17 @@ def _tied_lm(config: TransformerConfig):
     dtable = jnp.einsum("sblv,sble->ve", _core.token_major(jnp.stack([onehot, dlogits]), dim=1),
                         _core.token_major(jnp.stack([dx0.astype(dtype), h.astype(dtype)]),
                                           dim=1))
-    return dtable.astype(table.dtype), drest, None, None
+    return dtable.astype(table.dtype), drest, None, None, None
 
-  lm = jax.custom_vjp(lambda table, rest, tokens, valid: forward(table, rest, tokens, valid,
-                                                                 differentiated=False)[0])
+  lm = jax.custom_vjp(lambda table, rest, tokens, valid, segment_ids: forward(
+      table, rest, tokens, valid, segment_ids, differentiated=False)[0])
   lm.defvjp(forward, backward)
   return lm
 
 
 def transformer(p: Params, tokens: Array, config: TransformerConfig,
-                valid: Array | None = None, *, where: str = "layers.Transformer"
-                ) -> tuple[Array, dict[str, Array]]:
+                valid: Array | None = None, *, segment_ids: Array | None = None,
+                where: str = "layers.Transformer") -> tuple[Array, dict[str, Array]]:
   """Decoder-only LM on a parameter tree (``layers._params.transformer_params``).
 
   With ``config.tie_embeddings`` the table's gradient is formed as one dot (see
@@ -194,7 +208,11 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
     p: ``embed``, ``blocks`` (see :func:`apply_blocks`), ``final_norm`` and, when
       ``config.tie_embeddings`` is False, ``lm_head``.
     tokens: ``(batch, length)`` int ids, ``length <= config.max_len``.
-    valid: ``(batch, length)`` bool, True for real tokens (a padding mask), or None.
+    valid: ``(batch, length)`` bool, True for real tokens (a padding mask); or ``(batch,)``
+      ints, each row's count of real tokens (right padding: the form cuDNN takes); or None.
+      A padded query's attention output is zero.
+    segment_ids: ``(batch, length)`` ints, one id per packed sequence (tokens attend only
+      within their segment), or None.
     where: the caller's name for error messages.
 
   Returns:
@@ -205,10 +223,10 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
   table = p["embed"]["embedding"]
   rest = {k: v for k, v in p.items() if k != "embed"}
   if c.tie_embeddings:
-    logits, aux = _tied_lm(c)(table, rest, tokens, valid)
+    logits, aux = _tied_lm(c)(table, rest, tokens, valid, segment_ids)
   else:
     x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
-    h, aux = _body(rest, x, c, tokens, valid)
+    h, aux = _body(rest, x, c, tokens, valid, segment_ids)
     logits = partition.constrain(_core.dense(h, p["lm_head"]["kernel"], dtype=c.dtype),
                                  _core.LOGITS)
   return logits, _core.merge_aux(aux)

@@ -221,9 +221,9 @@ class Transformer(hk.Module):
     self.config = config
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               return_aux: bool = False) -> Any:
+               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
     c = self.config
     p = _declare(named_blocks(transformer_params(c)), c.param_dtype)
     logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
-                                     where="layers.haiku.Transformer")
+                                     segment_ids=segment_ids, where="layers.haiku.Transformer")
     return (logits, aux) if return_aux else logits

@@ -224,8 +224,10 @@ class Transformer(nn.Module):
   when ``config.scan_layers``, else ``blocks_0/...``, ``blocks_1/...``),
   ``final_norm/scale`` and, when ``config.tie_embeddings`` is False, ``lm_head/kernel``.
 
-  Call: ``model.apply(variables, tokens, valid=None, return_aux=False)``; ``valid``
-  ``(batch, length)`` bool marks real tokens (padding mask); ``return_aux`` also returns
+  Call: ``model.apply(variables, tokens, valid=None, segment_ids=None, return_aux=False)``;
+  ``valid`` ``(batch, length)`` bool marks real tokens (padding mask; or ``(batch,)`` ints,
+  right-padded lengths); ``segment_ids`` ``(batch, length)`` ints separate packed sequences
+  (``config.attention`` picks the attention implementation); ``return_aux`` also returns
   ``{'load_balance_loss', 'dropped_tokens'}`` summed/averaged over layers.
   """
 
@@ -233,9 +235,9 @@ class Transformer(nn.Module):
 
   @nn.compact
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               return_aux: bool = False) -> Any:
+               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
     c = self.config
     p = _declare(self, named_blocks(transformer_params(c)), c.param_dtype)
     logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
-                                     where="layers.linen.Transformer")
+                                     segment_ids=segment_ids, where="layers.linen.Transformer")
     return (logits, aux) if return_aux else logits

@@ -210,7 +210,7 @@ class Transformer(Params):
     self.config = config
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               return_aux: bool = False) -> Any:
+               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
     logits, aux = _model.transformer(self.values(), tokens, self.config, valid,
-                                     where="layers.nnx.Transformer")
+                                     segment_ids=segment_ids, where="layers.nnx.Transformer")
     return (logits, aux) if return_aux else logits

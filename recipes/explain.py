@@ -74,6 +74,8 @@ class Plan:
     memory: the compiled step's per-device memory (``None`` when not compiled).
     pipeline: the pipeline schedule when the rules map ``layers`` to a mesh axis (stage
       assignment, iterations, bubble), else ``None``.
+    attention: which attention implementation the model runs and why
+      (``layers.attention_choice``), else ``None``.
   """
 
   config: Any
@@ -85,6 +87,7 @@ class Plan:
   warnings: tuple[str, ...]
   memory: Memory | None
   pipeline: Any = None
+  attention: Any = None
 
   @property
   def num_params(self) -> int:
@@ -114,7 +117,10 @@ class Plan:
             "params": rows, "totals": self.totals(), "warnings": list(self.warnings),
             "notes": list(self.params.notes),
             "memory": None if self.memory is None else self.memory.to_dict(),
-            "pipeline": None if self.pipeline is None else _pipeline_dict(self.pipeline)}
+            "pipeline": None if self.pipeline is None else _pipeline_dict(self.pipeline),
+            "attention": None if self.attention is None else {
+                "implementation": self.attention.implementation,
+                "reason": self.attention.reason}}
 
 
 def _spec_list(spec) -> list:
@@ -244,7 +250,16 @@ def plan(config, *, compile: bool = True,
   memory = compile_memory(run, state) if compile else None
   return Plan(config, run.mesh, params, optimizer,
               optimizer_by_param([r.path for r in params.rows], optimizer), state, warnings,
-              memory, pipeline_plan(config, run.rules, run.mesh))
+              memory, pipeline_plan(config, run.rules, run.mesh),
+              attention_choice(config, run.rules, run.mesh))
+
+
+def attention_choice(config, rules, mesh):
+  """The attention implementation the model runs (``model.attention``; ``'auto'`` decides from
+  the backend, dtype, head_dim, the causal mask and the sequence length) and why."""
+  import layers
+  return layers.attention_choice(config.model, batch=config.batch_size, length=config.seq_len,
+                    rules=rules, mesh=mesh)
 
 
 def pipeline_plan(config, rules, mesh):
@@ -301,6 +316,8 @@ def render(p: Plan, out=sys.stdout) -> None:
     console.print(_memory_table(p.memory))
   if p.pipeline is not None:
     console.print(_pipeline_table(p.pipeline))
+  if p.attention is not None:
+    console.print(f"attention: {p.attention}", highlight=False)
   for w in p.warnings:
     console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
   for note in p.params.notes:

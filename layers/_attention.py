@@ -1,0 +1,665 @@
+"""Attention implementations and the one place that picks between them.
+
+Every implementation computes the same function, grouped-query softmax attention::
+
+  out[b, i, h] = sum_j softmax_j(q[b, i, h] . k[b, j, h // g] / sqrt(d) | visible(b, i, j))
+                 * v[b, j, h // g]
+
+with ``g = heads // kv_heads``, and they differ only in how they get there:
+
+=============  ==============================================================================
+``xla``        einsum + softmax, the numerical reference; builds the ``(L, S)`` logits and a
+               dense mask (memory ``O(L S)`` per head).
+``blockwise``  pure JAX, every backend: an online softmax over ``block``-wide K/V chunks
+               (``lax.scan``) with a flash-style custom VJP that saves only the output and
+               the log-sum-exp and recomputes each block in the backward pass (memory
+               ``O(L x block)`` per head). GQA without repeating K/V.
+``cudnn``      ``jax.nn.dot_product_attention(implementation='cudnn')`` (NVIDIA GPUs):
+               ``is_causal`` and padding as sequence lengths; no segment ids.
+``pallas``     the Pallas TPU splash-attention kernel (causal mask as a block-sparse
+               structure, padding and packing as segment ids).
+=============  ==============================================================================
+
+Masks are a structure, :class:`Mask` (causal flag, padding as a ``valid`` array or as
+``lengths``, packing as ``segment_ids``), never a ``(batch, heads, L, L)`` array: each
+implementation turns it into what it takes. A query with no visible key (a padded query)
+outputs zeros in every implementation.
+
+:func:`choose` decides from static facts (backend, dtype, head_dim, mask kind, length,
+whether the sequence is sharded) and says why; an explicit choice whose constraints do not
+hold raises :class:`AttentionError` naming the constraint (never a silent fallback).
+
+>>> import jax, jax.numpy as jnp
+>>> q = jax.random.normal(jax.random.key(0), (1, 6, 4, 8))
+>>> k = v = jax.random.normal(jax.random.key(1), (1, 6, 2, 8))
+>>> ref = dot_product_attention(q, k, v, Mask(), implementation='xla')
+>>> out = dot_product_attention(q, k, v, Mask(), implementation='blockwise', block=4)
+>>> bool(jnp.allclose(out, ref, atol=1e-6))
+True
+>>> choose('auto', backend='cpu', dtype=jnp.float32, head_dim=8, q_length=6,
+...        mask=Mask()).implementation
+'xla'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import partition
+
+Array = jax.Array
+
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas", "blockwise")
+# 'auto' runs the blockwise path (no fused kernel available) from this query length on: below
+# it the (L, L) logits are small and XLA's einsum path is faster.
+BLOCKWISE_MIN_LENGTH = 2048
+# Matches the Pallas TPU kernels' mask value: finite, so a row whose every key is masked in one
+# block never produces inf - inf.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+_QUERY = ("batch", "length", "heads", "head_dim")
+_KEY_VALUE = ("batch", "length", "kv_heads", "head_dim")
+
+
+class AttentionError(partition.PartitionError, ValueError):
+  """An attention implementation was asked for where its constraints do not hold."""
+
+
+# -- the mask description --------------------------------------------------------------------
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["valid", "lengths", "segment_ids"], meta_fields=["causal"])
+@dataclasses.dataclass(frozen=True)
+class Mask:
+  """Which keys each query sees, as structure (no ``(L, L)`` array).
+
+  Query ``i`` of example ``b`` sees key ``j`` iff all of: ``j <= i`` (when ``causal``);
+  both are real tokens (``valid[b, i] and valid[b, j]``, or ``i, j < lengths[b]``); and both
+  are in the same packed sequence (``segment_ids[b, i] == segment_ids[b, j]``).
+
+  Attributes:
+    causal: decoder (causal) masking.
+    valid: ``(batch, length)`` bool, True for real tokens (padding anywhere), or None.
+    lengths: ``(batch,)`` ints: the first ``lengths[b]`` tokens are real (right padding,
+      what cuDNN takes), or None. At most one of ``valid`` / ``lengths``.
+    segment_ids: ``(batch, length)`` ints, equal for tokens of one packed sequence, or None.
+
+  A ``Mask`` is a pytree (its arrays are leaves, ``causal`` is static), so it passes through
+  ``jax.jit``, ``lax.scan`` and pipeline stages like any argument.
+
+  >>> m = Mask(lengths=jnp.array([2]))
+  >>> m.kind
+  'causal+lengths'
+  >>> m.dense(3)[0, 0].astype(int).tolist()
+  [[1, 0, 0], [1, 1, 0], [0, 0, 0]]
+  """
+
+  causal: bool = True
+  valid: Array | None = None
+  lengths: Array | None = None
+  segment_ids: Array | None = None
+
+  def __post_init__(self):
+    if self.valid is not None and self.lengths is not None:
+      raise AttentionError("layers.Mask: give padding as valid (batch, length) bool or as "
+                           "lengths (batch,) ints, not both.")
+
+  @property
+  def kind(self) -> str:
+    """``'causal'``, ``'causal+valid'``, ``'full+segments'``, ...: what the mask holds."""
+    parts = ["causal" if self.causal else "full"]
+    parts += [name for name, a in (("valid", self.valid), ("lengths", self.lengths),
+                                   ("segments", self.segment_ids)) if a is not None]
+    return "+".join(parts)
+
+  def dense(self, q_length: int, kv_length: int | None = None, q_offset: int = 0) -> Array:
+    """The ``(batch or 1, 1, q_length, kv_length)`` bool mask (the ``xla`` path's input)."""
+    kv_length = q_length if kv_length is None else kv_length
+    return _block_visible(_parts(self), self.causal, q_offset, q_length, 0, kv_length,
+                          kv_length)[:, 0]
+
+
+def _parts(mask: Mask) -> dict[str, Array]:
+  """The mask's arrays split into their query side and key side (``q_valid``/``kv_valid``,
+  ``q_seg``/``kv_seg``, ``lengths``): under sequence parallelism the two sides are sharded
+  differently (the queries' with the queries, the keys' gathered)."""
+  out = {}
+  if mask.valid is not None:
+    out["q_valid"] = out["kv_valid"] = jnp.asarray(mask.valid, bool)
+  if mask.lengths is not None:
+    out["lengths"] = jnp.asarray(mask.lengths, jnp.int32)
+  if mask.segment_ids is not None:
+    out["q_seg"] = out["kv_seg"] = jnp.asarray(mask.segment_ids, jnp.int32)
+  return out
+
+
+def _block_visible(parts: dict[str, Array], causal: bool, q_offset: Any, q_length: int,
+                   k_start: Any, k_size: int, kv_length: int) -> Array:
+  """``(batch or 1, 1, 1, q_length, k_size)`` bool: which keys ``k_start .. k_start +
+  k_size`` each query sees (query ``i`` is position ``q_offset + i``). Keys at or beyond
+  ``kv_length`` (block padding) are never visible. ``parts['kv_*']`` hold this block's keys."""
+  qi = q_offset + jnp.arange(q_length)[:, None]
+  kj = k_start + jnp.arange(k_size)[None, :]
+  vis = jnp.ones((1, q_length, k_size), bool)
+  if causal:
+    vis = vis & (qi >= kj)[None]
+  if kv_length % k_size:  # the last block is padded with keys that do not exist
+    vis = vis & (kj < kv_length)[None]
+  if "lengths" in parts:
+    n = parts["lengths"][:, None, None]
+    vis = vis & (qi[None] < n) & (kj[None] < n)
+  if "q_valid" in parts:
+    vis = vis & parts["q_valid"][:, :, None] & parts["kv_valid"][:, None, :]
+  if "q_seg" in parts:
+    vis = vis & (parts["q_seg"][:, :, None] == parts["kv_seg"][:, None, :])
+  return vis[:, None, None]
+
+
+# -- choosing an implementation --------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """The implementation that runs and why (what ``recipes.explain`` prints)."""
+
+  implementation: str
+  reason: str
+
+  def __str__(self) -> str:
+    return f"{self.implementation} ({self.reason})"
+
+
+def _cudnn_problems(backend: str, dtype: Any, head_dim: int, mask: Mask,
+                    sequence_sharded: bool) -> list[str]:
+  problems = []
+  if backend != "gpu":
+    problems.append(f"cuDNN needs an NVIDIA GPU; the backend is {backend!r}")
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    problems.append(f"cuDNN takes bfloat16/float16 only; the dtype is {jnp.dtype(dtype).name} "
+                    "(set model.dtype=bfloat16)")
+  if head_dim % 8 or head_dim > 256:
+    problems.append(f"cuDNN needs head_dim a multiple of 8 and <= 256; head_dim={head_dim}")
+  if mask.segment_ids is not None:
+    problems.append("cuDNN's public API has no segment ids (packed sequences)")
+  if mask.valid is not None:
+    problems.append("cuDNN takes padding only as sequence lengths (right padding); the mask "
+                    "has a valid array (pass lengths instead)")
+  if sequence_sharded:
+    problems.append("cuDNN cannot offset its causal mask for a sequence-sharded query block "
+                    "(sequence parallelism)")
+  return problems
+
+
+def _pallas_problems(backend: str, head_dim: int, q_length: int, kv_length: int,
+                     block: int, sequence_sharded: bool) -> list[str]:
+  problems = []
+  if backend != "tpu":
+    problems.append(f"the Pallas splash-attention kernel needs a TPU; the backend is "
+                    f"{backend!r}")
+  if head_dim % 128:
+    problems.append(f"the Pallas TPU kernel needs head_dim a multiple of 128 (the TPU lane "
+                    f"width); head_dim={head_dim}")
+  b = _pallas_block(q_length, block)
+  if q_length % 128 or kv_length % 128 or q_length % b or kv_length % _pallas_block(
+      kv_length, block):
+    problems.append(f"the Pallas TPU kernel needs the sequence length a multiple of 128 and "
+                    f"of its block size ({b}); length={q_length}")
+  if sequence_sharded:
+    problems.append("the Pallas kernel is not wired for a sequence-sharded query block "
+                    "(sequence parallelism)")
+  return problems
+
+
+def _pallas_block(length: int, block: int) -> int:
+  return max(128, min(block, length) // 128 * 128)
+
+
+def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length: int,
+           mask: Mask | None, kv_length: int | None = None, block: int = 512,
+           sequence_sharded: bool = False, dense_mask: bool = False) -> Choice:
+  """The implementation that runs for ``requested``, from static facts only.
+
+  ``'auto'``: the fused kernel of the backend when its constraints hold (cuDNN on GPUs,
+  Pallas splash attention on TPUs), else ``'blockwise'`` from ``BLOCKWISE_MIN_LENGTH``
+  tokens on, else ``'xla'``. An explicit request is honoured or refused.
+
+  Args:
+    requested: one of ``IMPLEMENTATIONS``.
+    backend: ``'cpu'``, ``'gpu'``, ``'tpu'`` (``jax.default_backend()`` or the mesh's).
+    dtype, head_dim, q_length, kv_length: of the queries and keys.
+    mask: the :class:`Mask` (None: no masking at all).
+    block: the K/V block of the blockwise path and the Pallas kernel.
+    sequence_sharded: the rules shard the query length over a mesh axis.
+    dense_mask: the caller passed a dense mask array (only ``'xla'`` takes one).
+
+  Raises:
+    AttentionError: ``requested`` is unknown, or its constraints do not hold (each one
+      listed).
+
+  >>> print(choose('auto', backend='gpu', dtype='bfloat16', head_dim=128, q_length=2048,
+  ...              mask=Mask()))
+  cudnn (auto: the fused cuDNN kernel (gpu, bfloat16, head_dim 128, causal))
+  >>> choose('auto', backend='cpu', dtype='float32', head_dim=64, q_length=8192,
+  ...        mask=Mask()).implementation
+  'blockwise'
+  """
+  kv_length = q_length if kv_length is None else kv_length
+  mask = Mask(causal=False) if mask is None else mask
+  if requested not in IMPLEMENTATIONS:
+    hint = partition.did_you_mean(str(requested), IMPLEMENTATIONS)
+    raise AttentionError(f"attention={requested!r} is not an implementation; use one of "
+                         f"{list(IMPLEMENTATIONS)}{hint}.")
+  if dense_mask:
+    if requested not in ("auto", "xla"):
+      raise AttentionError(f"attention={requested!r} cannot take a dense mask array (only "
+                           "'xla' does): pass the mask as a layers Mask (causal, valid / "
+                           "lengths, segment_ids), or use attention='xla'.")
+    return Choice("xla", "a dense mask array was given (only 'xla' takes one)")
+  cudnn = _cudnn_problems(backend, dtype, head_dim, mask, sequence_sharded)
+  pallas = _pallas_problems(backend, head_dim, q_length, kv_length, block, sequence_sharded)
+  facts = f"{backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}, {mask.kind}"
+  if requested in ("cudnn", "pallas"):
+    problems = cudnn if requested == "cudnn" else pallas
+    if problems:
+      raise AttentionError(partition.format_message(
+          f"attention={requested!r} cannot run here: {len(problems)} constraint(s) do not hold.",
+          bullets=problems,
+          fix="Use attention='auto' (picks what the backend and mask allow), 'blockwise' "
+              "(every backend, any mask) or 'xla'."))
+    return Choice(requested, f"requested; constraints hold ({facts})")
+  if requested in ("xla", "blockwise"):
+    return Choice(requested, "requested")
+  if backend == "gpu" and not cudnn:
+    return Choice("cudnn", f"auto: the fused cuDNN kernel ({facts})")
+  if backend == "tpu" and not pallas:
+    return Choice("pallas", f"auto: the Pallas splash-attention kernel ({facts})")
+  fused = cudnn if backend == "gpu" else pallas if backend == "tpu" else []
+  why = f"; no fused kernel: {fused[0]}" if fused else f"; no fused kernel on {backend}"
+  if q_length >= BLOCKWISE_MIN_LENGTH:
+    return Choice("blockwise", f"auto: length {q_length} >= {BLOCKWISE_MIN_LENGTH}{why}")
+  return Choice("xla", f"auto: length {q_length} < {BLOCKWISE_MIN_LENGTH}{why}")
+
+
+def choice_for(config: Any, *, batch: int, length: int, rules: Any = None, mesh: Any = None,
+               mask: Mask | None = None) -> Choice:
+  """What a ``TransformerConfig``'s attention runs for ``(batch, length)`` tokens under
+  ``rules`` and ``mesh`` (default: a causal mask), as the model will decide it when traced.
+
+  >>> import layers
+  >>> print(choice_for(layers.TransformerConfig(), batch=2, length=16))
+  xla (auto: length 16 < 2048; no fused kernel on cpu)
+  """
+  shape = (batch, length, config.num_heads, config.head_dim)
+  seq = _query_axes(shape, rules, mesh)[1]
+  return choose(config.attention, backend=backend_of(mesh), dtype=config.dtype,
+                head_dim=config.head_dim, q_length=length,
+                mask=Mask() if mask is None else mask, block=config.attention_block,
+                sequence_sharded=bool(seq))
+
+
+def backend_of(mesh: Any = None) -> str:
+  """The platform attention runs on: the mesh's devices', else ``jax.default_backend()``."""
+  if isinstance(mesh, jax.sharding.Mesh) and mesh.devices.size:  # an AbstractMesh has none
+    return mesh.devices.flat[0].platform
+  return jax.default_backend()
+
+
+# -- the dispatch ----------------------------------------------------------------------------
+
+
+def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | None = None, *,
+                          implementation: str = "auto", block: int = 512) -> Array:
+  """Grouped-query softmax attention by the implementation :func:`choose` picks.
+
+  Args:
+    q: ``(batch, q_length, heads, head_dim)``.
+    k, v: ``(batch, kv_length, kv_heads, head_dim)``; ``heads`` a multiple of ``kv_heads``
+      (query head ``h`` uses kv head ``h // (heads // kv_heads)``).
+    mask: a :class:`Mask`; or a bool array broadcastable to ``(batch, heads, q_length,
+      kv_length)`` (True = attend; ``'xla'`` only); or None (every key visible).
+    implementation: one of ``IMPLEMENTATIONS``.
+    block: the K/V block width of ``'blockwise'`` (and the Pallas kernel's block).
+
+  Returns:
+    ``(batch, q_length, heads, head_dim)`` in ``q``'s dtype.
+
+  Raises:
+    AttentionError: an explicit ``implementation`` whose constraints do not hold here.
+  """
+  dense_mask = mask is not None and not isinstance(mask, Mask)
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  seq_axes = _query_axes(q.shape, rules, mesh)[1]
+  choice = choose(implementation, backend=backend_of(mesh), dtype=q.dtype, head_dim=q.shape[-1],
+                  q_length=q.shape[1], kv_length=k.shape[1],
+                  mask=None if dense_mask else mask, block=block,
+                  sequence_sharded=bool(seq_axes), dense_mask=dense_mask)
+  if dense_mask:
+    return xla_attention(q, k, v, mask)
+  mask = Mask(causal=False) if mask is None else mask
+  kernel = {"xla": _xla_kernel, "blockwise": functools.partial(_blockwise_kernel, block=block),
+            "cudnn": _cudnn_kernel,
+            "pallas": functools.partial(_pallas_kernel, block=block)}[choice.implementation]
+  if choice.implementation in ("cudnn", "pallas"):  # custom calls: XLA cannot partition them
+    return shard_mapped(kernel, q, k, v, mask)
+  if choice.implementation == "blockwise" and seq_axes:
+    # Sequence parallelism: the queries stay sharded over the sequence; every device needs
+    # all keys and values (the gather is explicit; XLA partitions the rest).
+    k, v = (partition.constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
+  return kernel(q, k, v, _parts(mask), causal=mask.causal, q_offset=0)
+
+
+def _query_axes(shape: tuple[int, ...], rules: Any, mesh: Any) -> tuple[tuple[str, ...], ...]:
+  """The mesh axes of the queries' ``(batch, length, heads)`` dims (empty without rules)."""
+  if rules is None or mesh is None:
+    return (), (), ()
+  spec = rules.spec(_QUERY, shape, mesh)
+  entries = (*spec, None, None, None)[:3]
+  return tuple(partition.entry_axes(e) for e in entries)
+
+
+# -- xla: the reference ----------------------------------------------------------------------
+
+
+def xla_attention(q: Array, k: Array, v: Array, mask: Array | None = None) -> Array:
+  """Einsum + fp32 softmax attention with a dense bool ``mask`` (the numerical reference).
+
+  Queries with no visible key output zeros (not a uniform average of the values).
+  """
+  groups = q.shape[2] // k.shape[2]
+  b, length, heads, d = q.shape
+  qg = q.reshape(b, length, heads // groups, groups, d) / jnp.sqrt(d).astype(q.dtype)
+  logits = jnp.einsum("blkgd,bskd->bkgls", qg, k)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, (b, heads, *logits.shape[-2:]))
+    mask = mask.reshape(b, heads // groups, groups, *logits.shape[-2:])
+    logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
+  weights = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+  if mask is not None:
+    weights = jnp.where(mask, weights, 0.0)  # fully masked rows: zeros, as every kernel
+  out = jnp.einsum("bkgls,bskd->blkgd", weights.astype(v.dtype), v)
+  return out.reshape(b, length, heads, d)
+
+
+def _xla_kernel(q, k, v, parts, *, causal, q_offset):
+  mask = _block_visible(parts, causal, q_offset, q.shape[1], 0, k.shape[1], k.shape[1])
+  return xla_attention(q, k, v, mask[:, 0])
+
+
+# -- blockwise: online softmax over K/V blocks, flash-style VJP ------------------------------
+
+
+def blockwise_attention(q: Array, k: Array, v: Array, mask: Mask | None = None, *,
+                        block: int = 512, q_offset: Any = 0) -> Array:
+  """Memory-efficient attention in pure JAX (no sharding logic; see the module docstring).
+
+  ``q_offset`` is the position of query 0 among the keys (a sequence-sharded query block).
+  """
+  mask = Mask(causal=False) if mask is None else mask
+  return _blockwise_kernel(q, k, v, _parts(mask), causal=mask.causal, q_offset=q_offset,
+                           block=block)
+
+
+def _blockwise_kernel(q, k, v, parts, *, causal, q_offset, block):
+  return _blockwise(q, k, v, parts, jnp.asarray(q_offset, jnp.int32), causal,
+                    min(block, k.shape[1]))
+
+
+def _kv_blocks(k, v, parts, size):
+  """K, V and the key-side mask arrays as ``n`` blocks on a leading dim (keys padded up)."""
+  length = k.shape[1]
+  n = -(-length // size)
+  pad = n * size - length
+
+  def blocks(a, fill=0):
+    a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+    return jnp.moveaxis(a.reshape(a.shape[0], n, size, *a.shape[2:]), 1, 0)
+
+  kv_parts = {name: blocks(a) for name, a in parts.items() if name.startswith("kv_")}
+  return n, blocks(k), blocks(v), kv_parts
+
+
+def _grouped_q(q, kv_heads):
+  b, length, heads, d = q.shape
+  return (q / jnp.sqrt(d).astype(q.dtype)).reshape(b, length, kv_heads, heads // kv_heads, d)
+
+
+def _scores(qg, kj, parts, kv_j, causal, q_offset, start, size, length):
+  """``(b, kv_heads, groups, L, size)`` fp32 logits of one K/V block and its visibility."""
+  s = jnp.einsum("blkgd,bskd->bkgls", qg, kj, preferred_element_type=jnp.float32)
+  visible = _block_visible({**parts, **kv_j}, causal, q_offset, qg.shape[1], start, size,
+                           length)
+  return s, visible
+
+
+def _blockwise_fwd_impl(q, k, v, parts, q_offset, causal, size):
+  b, length, heads, d = q.shape
+  kv_heads = k.shape[2]
+  qg = _grouped_q(q, kv_heads)
+  n, kb, vb, kv_parts = _kv_blocks(k, v, parts, size)
+  stats = (b, kv_heads, heads // kv_heads, length)
+
+  def step(carry, xs):
+    m, total, acc = carry
+    j, kj, vj, kv_j = xs
+    s, visible = _scores(qg, kj, parts, kv_j, causal, q_offset, j * size, size, k.shape[1])
+    m_new = jnp.maximum(m, jnp.max(jnp.where(visible, s, _MASK_VALUE), axis=-1))
+    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+    alpha = jnp.exp(m - m_new)
+    total = alpha * total + jnp.sum(p, axis=-1)
+    pv = jnp.einsum("bkgls,bskd->bkgld", p.astype(v.dtype), vj,
+                    preferred_element_type=jnp.float32)
+    return (m_new, total, alpha[..., None] * acc + pv), None
+
+  init = _varying_like((jnp.full(stats, _MASK_VALUE, jnp.float32),
+                        jnp.zeros(stats, jnp.float32), jnp.zeros((*stats, d), jnp.float32)),
+                       q, k, v, parts, q_offset)
+  (m, total, acc), _ = jax.lax.scan(step, init, (jnp.arange(n), kb, vb, kv_parts))
+  seen = total > 0  # a query with no visible key (padding) outputs zeros
+  total = jnp.where(seen, total, 1.0)
+  out = jnp.where(seen[..., None], acc / total[..., None], 0.0)
+  lse = jnp.where(seen, m + jnp.log(total), 0.0)
+  out = jnp.moveaxis(out, 3, 1).reshape(b, length, heads, d).astype(q.dtype)
+  return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _blockwise(q, k, v, parts, q_offset, causal, size):
+  return _blockwise_fwd_impl(q, k, v, parts, q_offset, causal, size)[0]
+
+
+def _blockwise_fwd(q, k, v, parts, q_offset, causal, size):
+  out, lse = _blockwise_fwd_impl(q, k, v, parts, q_offset, causal, size)
+  return out, (q, k, v, parts, q_offset, out, lse)
+
+
+def _blockwise_bwd(causal, size, residuals, dout):
+  q, k, v, parts, q_offset, out, lse = residuals
+  b, length, heads, d = q.shape
+  kv_heads, groups = k.shape[2], heads // k.shape[2]
+  qg = _grouped_q(q, kv_heads)
+  n, kb, vb, kv_parts = _kv_blocks(k, v, parts, size)
+  do = dout.reshape(b, length, kv_heads, groups, d)
+  # D_i = sum_j p_ij dp_ij = do_i . out_i (the softmax Jacobian's diagonal term).
+  delta = jnp.einsum("blkgd,blkgd->bkgl", do.astype(jnp.float32),
+                     out.reshape(do.shape).astype(jnp.float32))
+
+  def step(dq, xs):
+    j, kj, vj, kv_j = xs
+    s, visible = _scores(qg, kj, parts, kv_j, causal, q_offset, j * size, size, k.shape[1])
+    p = jnp.where(visible, jnp.exp(s - lse[..., None]), 0.0)
+    dv = jnp.einsum("bkgls,blkgd->bskd", p.astype(do.dtype), do,
+                    preferred_element_type=jnp.float32)
+    dp = jnp.einsum("blkgd,bskd->bkgls", do, vj, preferred_element_type=jnp.float32)
+    ds = p * (dp - delta[..., None])
+    dq = dq + jnp.einsum("bkgls,bskd->blkgd", ds.astype(kj.dtype), kj,
+                         preferred_element_type=jnp.float32)
+    dk = jnp.einsum("bkgls,blkgd->bskd", ds.astype(qg.dtype), qg,
+                    preferred_element_type=jnp.float32)
+    return dq, (dk, dv)
+
+  dq0 = _varying_like(jnp.zeros(qg.shape, jnp.float32), q, k, v, parts, q_offset, dout)
+  dq, (dk, dv) = jax.lax.scan(step, dq0,
+                              (jnp.arange(n), kb, vb, kv_parts))
+  unblock = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * size, kv_heads, d)[:, :k.shape[1]]
+  dq = (dq / math.sqrt(d)).reshape(q.shape).astype(q.dtype)
+  zeros = jax.tree.map(_zero_cotangent, (parts, q_offset))
+  return (dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), *zeros)
+
+
+def _varying_like(init, *refs):
+  """``init`` (a scan's initial carry) made to depend on ``refs``: inside ``shard_map`` (a
+  pipeline stage) a carry must vary over the manual mesh axes its inputs vary over, and a
+  value computed from them does (``where(False, ...)``: no arithmetic touches the values)."""
+  anchor = sum(jnp.where(False, jnp.ravel(r)[0], 0).astype(jnp.float32)
+               for r in jax.tree.leaves(refs) if jnp.size(r))
+  return jax.tree.map(lambda x: x + anchor.astype(x.dtype), init)
+
+
+def _zero_cotangent(a):
+  return np.zeros(a.shape, jax.dtypes.float0)
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
+# -- cuDNN -----------------------------------------------------------------------------------
+
+
+def _cudnn_kernel(q, k, v, parts, *, causal, q_offset, implementation="cudnn"):
+  """``jax.nn.dot_product_attention`` with the mask as ``is_causal`` + sequence lengths.
+
+  ``implementation='xla'`` runs JAX's own XLA version of the same call: how the wrapper is
+  tested where no GPU is (the same arguments, the same layout, another backend).
+  """
+  del q_offset  # 0: choose() refuses a sequence-sharded query block for cuDNN
+  lengths = parts.get("lengths")
+  out = jax.nn.dot_product_attention(q, k, v, is_causal=causal, query_seq_lengths=lengths,
+                                     key_value_seq_lengths=lengths,
+                                     implementation=implementation)
+  if lengths is not None:  # padded queries: zeros, as every implementation
+    out = jnp.where((jnp.arange(q.shape[1]) < lengths[:, None])[..., None, None], out, 0)
+  return out.astype(q.dtype)
+
+
+# -- Pallas TPU splash attention -------------------------------------------------------------
+
+
+def _pallas_kernel(q, k, v, parts, *, causal, q_offset, block, interpret=False):
+  """Splash attention (``jax.experimental.pallas.ops.tpu``), one MQA kernel per kv head.
+
+  GQA: the ``g`` query heads of a kv head form one multi-query call (K/V never repeated),
+  vmapped over kv heads and batch. Padding and packing become segment ids (a padded token
+  gets its own id -1, so real tokens never see it; padded queries are zeroed afterwards).
+  ``interpret=True`` runs the kernel in Pallas' interpreter (how it is tested off TPU).
+  """
+  del q_offset  # 0: choose() refuses a sequence-sharded query block for Pallas
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  b, length, heads, d = q.shape
+  kv_length, kv_heads = k.shape[1], k.shape[2]
+  kernel = _splash(length, kv_length, heads // kv_heads, causal, _pallas_block(length, block),
+                   _pallas_block(kv_length, block), interpret)
+  qg = _grouped_q(q, kv_heads)                                    # (b, L, kvh, g, d)
+  qg = jnp.transpose(qg, (0, 2, 3, 1, 4))                         # (b, kvh, g, L, d)
+  kh, vh = (jnp.transpose(a, (0, 2, 1, 3)) for a in (k, v))       # (b, kvh, S, d)
+  q_ids, kv_ids, q_real = _segment_ids(parts, b, length, kv_length)
+  per_head = jax.vmap(lambda qh, kk, vv, qi, ki: kernel(qh, kk, vv,
+                                                        segment_ids=sk.SegmentIds(qi, ki)),
+                      in_axes=(0, 0, 0, None, None))
+  out = jax.vmap(per_head)(qg, kh, vh, q_ids, kv_ids)             # (b, kvh, g, L, d)
+  out = jnp.transpose(out, (0, 3, 1, 2, 4)).reshape(b, length, heads, d)
+  if q_real is not None:
+    out = jnp.where(q_real[..., None, None], out, 0)
+  return out.astype(q.dtype)
+
+
+def _segment_ids(parts, b, length, kv_length):
+  """``(q_ids, kv_ids, q_real)``: segment ids with padding folded in (-1), per example."""
+  q_ids = parts.get("q_seg", jnp.zeros((b, length), jnp.int32))
+  kv_ids = parts.get("kv_seg", jnp.zeros((b, kv_length), jnp.int32))
+  q_real = kv_real = None
+  if "lengths" in parts:
+    q_real = jnp.arange(length)[None] < parts["lengths"][:, None]
+    kv_real = jnp.arange(kv_length)[None] < parts["lengths"][:, None]
+  if "q_valid" in parts:
+    q_real, kv_real = parts["q_valid"], parts["kv_valid"]
+  if q_real is not None:
+    q_ids, kv_ids = jnp.where(q_real, q_ids, -1), jnp.where(kv_real, kv_ids, -1)
+  return q_ids, kv_ids, q_real
+
+
+@functools.cache
+def _splash(length, kv_length, groups, causal, block_q, block_kv, interpret):
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+  shape = (length, kv_length)
+  one = sm.CausalMask(shape) if causal else sm.FullMask(shape)
+  sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
+                        block_q_dkv=block_q, block_kv_dkv=block_kv,
+                        block_kv_dkv_compute=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
+  return sk.make_splash_mqa(sm.MultiHeadMask([one] * groups), block_sizes=sizes,
+                            head_shards=1, q_seq_shards=1, interpret=interpret)
+
+
+# -- sharding: kernels XLA cannot partition run inside shard_map -----------------------------
+
+
+def shard_mapped(kernel, q: Array, k: Array, v: Array, mask: Mask) -> Array:
+  """``kernel(q, k, v, parts, causal=, q_offset=)`` run per device inside ``jax.shard_map``.
+
+  The mesh axes come from the ``partition.axis_rules`` context: the queries' ``batch`` and
+  ``heads`` dims stay sharded as the rules say (each device runs the kernel on its examples
+  and heads); a sharded query ``length`` (sequence parallelism) stays sharded while keys and
+  values are gathered over it, each device passing its queries' offset to the kernel. Keys
+  and values follow the queries' heads: sharded alike when the rules shard ``kv_heads`` as
+  ``heads``, else gathered and each device slices its query heads' kv heads. Without rules
+  and mesh: ``kernel`` on the whole arrays.
+  """
+  P = jax.sharding.PartitionSpec
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  parts = _parts(mask)
+  batch, seq, heads = _query_axes(q.shape, rules, mesh)
+  if not (batch or seq or heads):
+    return kernel(q, k, v, parts, causal=mask.causal, q_offset=0)
+  kv_heads = partition.entry_axes((*rules.spec(_KEY_VALUE, k.shape, mesh), None, None, None)[2])
+  size = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
+  groups = q.shape[2] // k.shape[2]
+  local_heads = q.shape[2] // size(heads)
+  slice_kv = bool(heads) and kv_heads != heads
+  if slice_kv and local_heads % groups and groups % local_heads:
+    heads, slice_kv = (), False  # the local query heads would straddle kv groups: replicate
+  kv_entry = None if slice_kv or not heads else partition.axes_entry(heads)
+  e = partition.axes_entry
+  q_spec = P(e(batch), e(seq), e(heads), None)
+  kv_spec = P(e(batch), None, kv_entry, None)
+  side = {"q_valid": P(e(batch), e(seq)), "q_seg": P(e(batch), e(seq)),
+          "kv_valid": P(e(batch), None), "kv_seg": P(e(batch), None), "lengths": P(e(batch))}
+  local_q = q.shape[1] // size(seq)
+  kv_per_shard = max(local_heads // groups, 1)
+
+  def local(q, k, v, parts):
+    offset = _linear_index(seq, mesh) * local_q if seq else 0
+    if slice_kv:
+      start = _linear_index(heads, mesh) * local_heads // groups
+      k, v = (jax.lax.dynamic_slice_in_dim(a, start, kv_per_shard, axis=2) for a in (k, v))
+    return kernel(q, k, v, parts, causal=mask.causal, q_offset=offset)
+
+  used = set(batch) | set(seq) | set(heads)
+  run = jax.shard_map(local, mesh=mesh, axis_names=used, check_vma=False,
+                      in_specs=(q_spec, kv_spec, kv_spec, {n: side[n] for n in parts}),
+                      out_specs=q_spec)
+  return run(q, k, v, parts)
+
+
+def _linear_index(axes: tuple[str, ...], mesh: Any) -> Array:
+  """The device's index along several mesh axes taken together (major to minor)."""
+  index = 0
+  for a in axes:
+    index = index * dict(mesh.shape)[a] + jax.lax.axis_index(a)
+  return index
