@@ -263,7 +263,7 @@ def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list
       layer = "" if index is None else f" (layer {index} of {full})"
       into = f" (fused with {len(names) - 1} more into {shape})" if name in FUSED else ""
       problems.append(f"{where}: {part!r}{layer} has shape {got}, the config expects "
-                      f"{want}{into}")
+                      f"{want}{into}{_unfusable(weights, names, name, index)}")
       continue
     parts.append(weights[part] if index is None else weights[part][index])
   if len(parts) < len(names):
@@ -271,6 +271,19 @@ def _pick(weights: dict, name: str, index: int | None, leaf: Any, problems: list
   # the parts have the shapes the split of this parameter gives: they fuse into it
   value = jnp.asarray(FUSED[name][2](*parts) if name in FUSED else parts[0], dtype)
   return value if sharding is None else jax.device_put(value, sharding)
+
+
+def _unfusable(weights: dict, names: tuple[str, ...], name: str, index: int | None) -> str:
+  """``'; <why>'`` when the user's own parts of a fused parameter could not be fused into
+  any parameter (e.g. query heads that are no multiple of the key's heads), else ``''``."""
+  if name not in FUSED or any(n not in weights for n in names):
+    return ""
+  shapes = [tuple(np.shape(weights[n]))[0 if index is None else 1:] for n in names]
+  try:
+    jax.eval_shape(FUSED[name][2], *(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes))
+  except ValueError as e:
+    return f"; {e}"
+  return ""
 
 
 def from_canonical(weights: dict[str, Any], like: Any) -> Any:
