@@ -373,7 +373,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | Non
 def attention_core(q: Array, k: Array, v: Array, *, mask: Mask | Array | None = None,
                    positions: Array | None = None, use_rope: bool = True,
                    rope_theta: float = 10_000.0, rope_scaling: Any = None,
-                   implementation: str = "auto", block: int = 512) -> Array:
+                   implementation: str = "auto", block: int = 512, cache: Any = None) -> Any:
   """Attention on projected heads: constrain, optional RoPE, softmax attention.
 
   Args:
@@ -383,9 +383,11 @@ def attention_core(q: Array, k: Array, v: Array, *, mask: Mask | Array | None = 
     use_rope: rotate queries and keys; rope_theta: the rotary base; rope_scaling: a
       ``layers.RopeScaling`` of its frequencies or None (:func:`rope_frequencies`).
     implementation, block: as for :func:`dot_product_attention`.
+    cache: decoding only (``layers._decode.KVCache`` of this layer): the rotated keys and
+      values join it and the queries attend what it then holds.
 
   Returns:
-    ``(batch, length, heads, head_dim)``.
+    ``(batch, length, heads, head_dim)``; with ``cache``, ``(that, updated cache)``.
   """
   q = partition.constrain(q, QUERY)
   k, v = partition.constrain(k, KEY_VALUE), partition.constrain(v, KEY_VALUE)
@@ -394,6 +396,10 @@ def attention_core(q: Array, k: Array, v: Array, *, mask: Mask | Array | None = 
       positions = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
     q = rope(q, positions, theta=rope_theta, scaling=rope_scaling)
     k = rope(k, positions, theta=rope_theta, scaling=rope_scaling)
+  if cache is not None:
+    k, v, mask, cache, implementation = cache.update(k, v, positions, mask, implementation)
+    return dot_product_attention(q, k, v, mask, implementation=implementation,
+                                 block=block), cache
   return dot_product_attention(q, k, v, mask, implementation=implementation, block=block)
 
 
@@ -414,7 +420,8 @@ def split_qkv(fused: Array) -> tuple[Array, Array, Array]:
 def attention(p: dict, x: Array, *, mask: Mask | Array | None = None,
               positions: Array | None = None, use_rope: bool = True,
               rope_theta: float = 10_000.0, rope_scaling: Any = None, norm_eps: float = 1e-6,
-              dtype: Any = None, implementation: str = "auto", block: int = 512) -> Array:
+              dtype: Any = None, implementation: str = "auto", block: int = 512,
+              cache: Any = None) -> Any:
   """Self-attention on a parameter tree: one fused QKV projection, attention, output.
 
   Args:
@@ -426,11 +433,12 @@ def attention(p: dict, x: Array, *, mask: Mask | Array | None = None,
       ``query_norm``/``key_norm`` (``{'scale': (head_dim,)}``, Qwen3's q/k norm) each query
       and key head is RMS-normed (``norm_eps``) before RoPE.
     x: ``(batch, length, embed)``.
-    mask, positions, use_rope, rope_theta, rope_scaling, implementation, block: as for
-      :func:`attention_core`.
+    mask, positions, use_rope, rope_theta, rope_scaling, implementation, block, cache: as
+      for :func:`attention_core`.
 
   Returns:
-    ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``.
+    ``(batch, length, embed)``, constrained to ``('batch', 'length', 'embed')``; with
+    ``cache``, ``(that, updated cache)``.
 
   >>> p = {'qkv': {'kernel': jnp.ones((4, 1, 2 + 2, 2))}, 'out': {'kernel': jnp.ones((2, 2, 4))}}
   >>> attention(p, jnp.ones((1, 3, 4)), mask=causal_mask(3)).shape
@@ -443,8 +451,10 @@ def attention(p: dict, x: Array, *, mask: Mask | Array | None = None,
     k = rms_norm(k, p["key_norm"]["scale"], eps=norm_eps)
   out = attention_core(q, k, v, mask=mask, positions=positions, use_rope=use_rope,
                        rope_theta=rope_theta, rope_scaling=rope_scaling,
-                       implementation=implementation, block=block)
-  return partition.constrain(dense(out, p["out"]["kernel"], contract=2, dtype=dtype), EMBED)
+                       implementation=implementation, block=block, cache=cache)
+  out, cache = out if cache is not None else (out, None)
+  out = partition.constrain(dense(out, p["out"]["kernel"], contract=2, dtype=dtype), EMBED)
+  return out if cache is None else (out, cache)
 
 
 # -- model-level helpers ---------------------------------------------------------------------

@@ -41,7 +41,7 @@ Params = dict[str, Any]
 
 
 def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | None,
-          positions: Array | None) -> tuple[Array, dict[str, Array]]:
+          positions: Array | None, cache: Any = None) -> tuple[Any, ...]:
   """Pre-norm decoder block: ``x + attn(norm(x))``, then ``+ mlp(norm(x))`` (or MoE).
 
   Args:
@@ -50,17 +50,19 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | N
     x: ``(batch, length, embed)``.
     config: the model's config (``config.attention`` picks the attention implementation);
     mask: a ``layers._attention.Mask`` (or a dense bool array, ``'xla'`` only);
-    positions: as for ``_core.attention``.
+    positions, cache: as for ``_core.attention``.
 
   Returns:
-    ``(x, aux)``: the block output and ``{'load_balance_loss', 'dropped_tokens'}``.
+    ``(x, aux)``: the block output and ``{'load_balance_loss', 'dropped_tokens'}``; with a
+    ``cache`` (decoding), ``(x, aux, updated cache)``.
   """
   c = config
   p = _core.fsdp_gather(p, _block_axes(c), x.shape[0])
   h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
   h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
                       rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, dtype=c.dtype,
-                      implementation=c.attention, block=c.attention_block)
+                      implementation=c.attention, block=c.attention_block, cache=cache)
+  h, cache = h if cache is not None else (h, None)
   x = partition.constrain(x + h, _core.EMBED)
   h = _core.rms_norm(x, p["mlp_norm"]["scale"], eps=c.norm_eps)
   if c.num_experts:
@@ -69,7 +71,8 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | N
                       capacity_factor=c.capacity_factor, dtype=c.dtype)
   else:
     h, aux = _core.mlp(p["mlp"], h, dtype=c.dtype), _core.no_aux()
-  return partition.constrain(x + h, _core.EMBED), aux
+  x = partition.constrain(x + h, _core.EMBED)
+  return (x, aux) if cache is None else (x, aux, cache)
 
 
 @functools.cache
@@ -81,18 +84,34 @@ def _block_axes(config: TransformerConfig) -> dict[str, Any]:
 
 
 def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,
-                 mask: Mask | Array | None, positions: Array | None
-                 ) -> tuple[Array, dict[str, Array]]:
+                 mask: Mask | Array | None, positions: Array | None, cache: Any = None
+                 ) -> tuple[Any, ...]:
   """Runs the block stack: THE seam of the model for layer schedules (e.g. pipelining).
 
   Args:
     blocks: with ``config.scan_layers``, one tree of stacked params (leading ``layers`` dim,
       run with ``jax.lax.scan``); else a sequence of per-layer trees (a Python loop).
     x: ``(batch, length, embed)`` embeddings; mask, positions: shared by every block.
+    cache: decoding only (``layers._decode``): the layers' caches, stacked like ``blocks``
+      (a list of per-layer caches when unrolled); the stack then runs in order on one
+      schedule (no remat, no pipeline) and also returns the updated caches.
 
   Returns:
-    ``(x, aux)`` with each aux entry stacked over layers (``(num_layers,)``).
+    ``(x, aux)`` with each aux entry stacked over layers (``(num_layers,)``); with a
+    ``cache``, ``(x, aux, updated caches)``.
   """
+  if cache is not None:
+    def layer(h, p_c):
+      h, a, c = block(p_c[0], h, config, mask, positions, p_c[1])
+      return h, (a, c)
+    if config.scan_layers:
+      x, (aux, cache) = jax.lax.scan(layer, x, (blocks, cache))
+      return x, aux, cache
+    outs = []
+    for p_c in zip(blocks, cache):
+      x, out = layer(x, p_c)
+      outs.append(out)
+    return x, jax.tree.map(lambda *a: jnp.stack(a), *[a for a, _ in outs]), [c for _, c in outs]
   run = block
   if config.remat != "none":
     # Under scan, CSE cannot merge the recomputation with the forward pass anyway.
