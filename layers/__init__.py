@@ -11,6 +11,10 @@ from layers._config import ConfigError as ConfigError
 from layers._config import RopeScaling as RopeScaling
 from layers._config import TransformerConfig as TransformerConfig
 from layers._canonical import CanonicalError as CanonicalError
+from layers._decode import Generation as Generation
+from layers._decode import GenerateError as GenerateError
+from layers._decode import KVCache as KVCache
+from layers._decode import Sampling as Sampling
 from layers._canonical import from_canonical as from_canonical
 from layers._canonical import to_canonical as to_canonical
 from layers.hf import HFError as HFError

@@ -193,6 +193,11 @@ def _hidden(params: Params, tokens: Array, config: TransformerConfig, cache: Any
   table = params["embed"]["embedding"]
   x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
   x, _, cache = _model.apply_blocks(params["blocks"], x, c, mask, positions, cache)
+  # A scan stacks the per-layer caches unconstrained along 'layers': pin the whole cache.
+  is_cache = lambda x: isinstance(x, KVCache)
+  cache = jax.tree.map(lambda x, a: KVCache(partition.constrain(x.k, a.k),
+                                            partition.constrain(x.v, a.v), x.prefill),
+                       cache, cache_axes(c), is_leaf=is_cache)
   scale = _core.fsdp_gather(params["final_norm"]["scale"], ("embed",), tokens.shape[0])
   return _core.rms_norm(x, scale, eps=c.norm_eps), cache
 
@@ -527,6 +532,8 @@ class Programs:
                           cache)
     prefill = self.prefill.lower(params, tokens, lengths, shapes).compile()
     logits_shape = jax.eval_shape(self.prefill, params, tokens, lengths, shapes)[0]
+    logits_shape = jax.ShapeDtypeStruct(logits_shape.shape, logits_shape.dtype,
+                                        sharding=prefill.output_shardings[0])
     loop = self.loop.lower(params, shapes, logits_shape, lengths).compile()
     start = time.perf_counter()
     logits, cache = prefill(params, tokens, lengths, cache)

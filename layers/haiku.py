@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 import partition
 import partition.haiku
-from layers import _core, _model, _moe
+from layers import _core, _decode, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
     ParamSpec,
@@ -227,3 +227,33 @@ class Transformer(hk.Module):
     logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
                                      segment_ids=segment_ids, where="layers.haiku.Transformer")
     return (logits, aux) if return_aux else logits
+
+
+def decode_params(params: Any, config: TransformerConfig) -> dict[str, Any]:
+  """The parameter tree ``layers._decode`` reads, from a :class:`Transformer`'s Haiku params
+  (``{'transformer/blocks_0/attn/qkv': {'kernel': ...}, ...}``; any module name)."""
+  tree: dict[str, Any] = {}
+  for module, leaves in params.items():
+    node = tree
+    for part in module.split("/")[1:]:   # drop the Transformer's own name
+      node = node.setdefault(part, {})
+    node.update(leaves)
+  return listed_blocks(tree, config.num_layers)
+
+
+def generate(config: TransformerConfig, params: Any, prompts: Any,
+             sampling: _decode.Sampling | None = None, **kwargs: Any) -> _decode.Generation:
+  """Continues ``prompts`` (lists of token ids) with the params of a Haiku
+  :class:`Transformer`: the one decoding core, ``layers._decode.generate`` (``kwargs``: its
+  ``rules``, ``mesh``, ``pad_id``).
+
+  >>> import layers, layers.haiku
+  >>> cfg = layers.TransformerConfig(vocab_size=32, num_layers=1)
+  >>> f = hk.transform(lambda t: layers.haiku.Transformer(cfg)(t))
+  >>> params = f.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  >>> layers.haiku.generate(cfg, params, [[1, 2, 3]], layers.Sampling(max_new_tokens=3)
+  ...                       ).tokens.shape
+  (1, 3)
+  """
+  return _decode.generate(decode_params(params, config), config, prompts, sampling,
+                          where="layers.haiku.generate", **kwargs)

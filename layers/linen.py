@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import partition
-from layers import _core, _model, _moe
+from layers import _core, _decode, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
     ParamSpec,
@@ -241,3 +241,30 @@ class Transformer(nn.Module):
     logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
                                      segment_ids=segment_ids, where="layers.linen.Transformer")
     return (logits, aux) if return_aux else logits
+
+
+def decode_params(variables: Any, config: TransformerConfig) -> dict[str, Any]:
+  """The parameter tree ``layers._decode`` reads, from a :class:`Transformer`'s variables
+  (``{'params': ...}``, boxed or not) or its ``params`` alone."""
+  params = partition.unbox(variables)
+  params = params.get("params", params)
+  return listed_blocks(dict(params), config.num_layers)
+
+
+def generate(model: Transformer, variables: Any, prompts: Any,
+             sampling: _decode.Sampling | None = None, **kwargs: Any) -> _decode.Generation:
+  """Continues ``prompts`` (lists of token ids) with a linen :class:`Transformer`: the one
+  decoding core, ``layers._decode.generate`` (``kwargs``: its ``rules``, ``mesh``,
+  ``pad_id``).
+
+  >>> import layers, layers.linen
+  >>> cfg = layers.TransformerConfig(vocab_size=32, num_layers=1)
+  >>> model = layers.linen.Transformer(cfg)
+  >>> variables = model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  >>> out = layers.linen.generate(model, variables, [[1, 2, 3]],
+  ...                             layers.Sampling(max_new_tokens=3))
+  >>> out.tokens.shape
+  (1, 3)
+  """
+  return _decode.generate(decode_params(variables, model.config), model.config, prompts,
+                          sampling, where="layers.linen.generate", **kwargs)

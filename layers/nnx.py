@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import partition
-from layers import _core, _model, _moe
+from layers import _core, _decode, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
     ParamSpec,
@@ -214,3 +214,30 @@ class Transformer(Params):
     logits, aux = _model.transformer(self.values(), tokens, self.config, valid,
                                      segment_ids=segment_ids, where="layers.nnx.Transformer")
     return (logits, aux) if return_aux else logits
+
+
+def decode_params(model: Any, config: TransformerConfig) -> dict[str, Any]:
+  """The parameter tree ``layers._decode`` reads, from a :class:`Transformer` or its pure
+  dict of params (``nnx.to_pure_dict``: unrolled blocks keyed ``0, 1, ...``)."""
+  if isinstance(model, Transformer):
+    return model.values()
+  params = dict(model)
+  if not config.scan_layers:
+    params["blocks"] = [params["blocks"][i] for i in range(config.num_layers)]
+  return params
+
+
+def generate(model: Transformer, prompts: Any, sampling: _decode.Sampling | None = None,
+             **kwargs: Any) -> _decode.Generation:
+  """Continues ``prompts`` (lists of token ids) with an NNX :class:`Transformer`: the one
+  decoding core, ``layers._decode.generate`` (``kwargs``: its ``rules``, ``mesh``,
+  ``pad_id``).
+
+  >>> import layers, layers.nnx
+  >>> model = layers.nnx.Transformer(layers.TransformerConfig(vocab_size=32, num_layers=1),
+  ...                                rngs=nnx.Rngs(0))
+  >>> layers.nnx.generate(model, [[1, 2, 3]], layers.Sampling(max_new_tokens=3)).tokens.shape
+  (1, 3)
+  """
+  return _decode.generate(model.values(), model.config, prompts, sampling,
+                          where="layers.nnx.generate", **kwargs)
