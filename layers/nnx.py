@@ -223,7 +223,9 @@ def decode_params(model: Any, config: TransformerConfig) -> dict[str, Any]:
     return model.values()
   params = dict(model)
   if not config.scan_layers:
-    params["blocks"] = [params["blocks"][i] for i in range(config.num_layers)]
+    blocks = params["blocks"]   # int keys, or str keys after a checkpoint round trip
+    params["blocks"] = [blocks[i] if i in blocks else blocks[str(i)]
+                        for i in range(config.num_layers)]
   return params
 
 

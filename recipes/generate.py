@@ -1,0 +1,386 @@
+"""Continue prompts with a trained or downloaded model (``python -m recipes.generate``).
+
+The model comes from a training run (``--checkpoint runs/x``: its config, framework, preset
+and mesh; its latest checkpoint or ``--step``) or from a Hugging Face directory
+(``init_from=DIR``: Llama / Mistral / Qwen2, with the preset and mesh of the run config, as
+in ``python -m recipes.train init_from=DIR``). Preset, mesh and rules can be overridden like
+the training recipe's (``preset=tensor_parallel mesh='{data: 2, tensor: 4}'``). Params are
+restored into their shards; the KV cache is created in its shards (``layers._decode``).
+
+Prompts (``--prompt``, repeatable; a batch of different lengths is fine) are text:
+
+* a Hugging Face directory with a ``tokenizer.json``: encoded by the ``tokenizers`` package
+  (``pip install 'named-partition[generate]'``) and the continuation decoded back;
+* a run on a synthetic digit task (the default recipe): the digits of the question, e.g.
+  ``--prompt 31415926`` (the separator is appended), answered in digits;
+* a byte-level run (``data.path`` a text file): UTF-8 bytes.
+
+``--tokens "5 3 6 1"`` gives token ids instead (any model). It prints each continuation and
+the prefill and decode throughput separately (tokens/s, after compilation)::
+
+  python -m recipes.generate --checkpoint runs/default --prompt 31415926
+  python -m recipes.generate init_from=hf/llama --prompt "The capital of France is"
+  python -m recipes.generate --checkpoint runs/x --tokens "1 2 3" --temperature 0.8 --top-p 0.9
+
+Exit status 2 with a message for any mistake in the arguments (a prompt longer than the
+model's ``max_len``, a stop token outside the vocabulary, ``top_p`` outside (0, 1], a
+checkpoint whose config the model cannot express).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from partition import PartitionError  # noqa: E402
+from recipes import report  # noqa: E402
+
+
+class GenerateArgumentError(PartitionError, ValueError):
+  """The command line of ``recipes.generate`` is inconsistent."""
+
+
+# -- arguments -------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(
+      prog="python -m recipes.generate", description=report.plain(__doc__.splitlines()[0]),
+      epilog="Overrides are key=value as in python -m recipes.train: init_from=DIR, "
+             "preset=NAME, mesh='{data: 2, tensor: 4}', rules=[...], framework=linen.")
+  parser.add_argument("--checkpoint", metavar="DIR",
+                      help="a training run's out_dir (or its checkpoints/ folder)")
+  parser.add_argument("--step", type=int, default=None, help="default: the latest step")
+  parser.add_argument("--prompt", action="append", default=[],
+                      help="a text prompt (repeat for a batch)")
+  parser.add_argument("--tokens", action="append", default=[],
+                      help="a prompt as token ids, e.g. '5 3 6 1' (repeat for a batch)")
+  parser.add_argument("--max-new-tokens", type=int, default=None,
+                      help="per prompt (default: the answer length of a synthetic task, "
+                           "else 32)")
+  parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+  parser.add_argument("--top-k", type=int, default=0, help="0 = no top-k cut")
+  parser.add_argument("--top-p", type=float, default=1.0, help="nucleus mass, in (0, 1]")
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--stop", action="append", default=None, metavar="ID",
+                      help="a stop token id (repeatable; default: the checkpoint's "
+                           "eos_token_id, if any)")
+  parser.add_argument("overrides", nargs="*", help="key=value overrides")
+  return parser.parse_args(argv)
+
+
+# -- where the model comes from --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Source:
+  """The run config to generate with and how text maps to ids."""
+
+  config: Any                    # recipes.config.TrainConfig
+  checkpoint: pathlib.Path | None
+  step: int | None
+  meta: dict[str, Any] | None
+  codec: Codec
+
+
+def _step_dirs(directory: pathlib.Path) -> list[int]:
+  return sorted(int(p.name) for p in directory.iterdir()
+                if p.name.isdigit() and (p / "meta" / "metadata").is_file())
+
+
+def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
+  """A training run's config (its recorded keys, then ``overrides``) and checkpoint step.
+
+  Reads the checkpoint's JSON metadata directly (no JAX), so the devices can still be set up
+  for the run's mesh afterwards."""
+  from recipes.config import load_config
+  from recipes.export import checkpoint_dir
+  directory = checkpoint_dir(path)
+  steps = _step_dirs(directory)
+  if not steps:
+    raise GenerateArgumentError(f"--checkpoint {path!r} holds no checkpoint steps. Train "
+                                "first (python -m recipes.train out_dir=...).")
+  if step is not None and step not in steps:
+    raise GenerateArgumentError(f"--step {step}: no such checkpoint in {path!r}; it has "
+                                f"steps {steps}. Pass one of them, or leave --step out.")
+  step = max(steps) if step is None else step
+  meta = json.loads((directory / str(step) / "meta" / "metadata").read_text())
+  if "config" not in meta:
+    raise GenerateArgumentError(f"--checkpoint {path!r} step {step} was not written by "
+                                "python -m recipes.train (its metadata has no config).")
+  recorded = meta["config"]
+  keys = [f"{k}={json.dumps(recorded[k])}" for k in ("framework", "preset", "mesh", "rules",
+                                                    "seq_len")]
+  keys += [f"model.{k}={json.dumps(v)}" for k, v in recorded["model"].items()]
+  keys += [f"data.{k}={json.dumps(v)}" for k, v in recorded["data"].items()]
+  for item in overrides:
+    if item.partition("=")[0].strip() in ("init_from",):
+      raise GenerateArgumentError("give either --checkpoint or init_from=DIR, not both")
+  config = load_config(None, [*keys, *overrides])
+  return Source(config, directory, step, meta, Codec.for_run(config))
+
+
+def hf_source(overrides: Sequence[str]) -> Source:
+  """The run config of ``init_from=DIR`` (its architecture from ``DIR/config.json``)."""
+  from recipes import init_from
+  from recipes.config import load_config
+  config = load_config(None, list(overrides))
+  model = init_from.resolve_model(config.init_from, config.model,
+                                  init_from.explicit_model_fields(overrides))
+  config = dataclasses.replace(config, model=model)
+  return Source(config, None, None, None, Codec.for_hf(pathlib.Path(config.init_from)))
+
+
+# -- text <-> ids ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Codec:
+  """Text <-> token ids for one model: ``kind`` is ``'tokenizer'``, ``'digits'``,
+  ``'bytes'`` or ``'ids'`` (no text: ``--tokens`` only)."""
+
+  kind: str
+  tokenizer: Any = None
+  digits: int = 10
+  answer_length: int | None = None
+  eos: tuple[int, ...] = ()
+  why: str = ""
+
+  @classmethod
+  def for_run(cls, config) -> Codec:
+    if config.data.path is None:
+      return cls("digits", digits=config.data.digits, answer_length=config.seq_len // 2)
+    if not str(config.data.path).endswith(".npy"):
+      return cls("bytes")
+    return cls("ids", why=f"the run trained on token ids ({config.data.path})")
+
+  @classmethod
+  def for_hf(cls, directory: pathlib.Path) -> Codec:
+    eos = _eos_ids(directory)
+    if not (directory / "tokenizer.json").is_file():
+      return cls("ids", eos=eos, why=f"{directory} has no tokenizer.json")
+    try:
+      import tokenizers
+    except ImportError:
+      raise GenerateArgumentError(
+          f"{directory}/tokenizer.json needs the tokenizers package: pip install "
+          "'named-partition[generate]' (or pass --tokens)") from None
+    return cls("tokenizer", tokenizers.Tokenizer.from_file(str(directory / "tokenizer.json")),
+               eos=eos)
+
+  def encode(self, text: str) -> list[int]:
+    from recipes.data import FIRST_DIGIT, SEP
+    if self.kind == "tokenizer":
+      return self.tokenizer.encode(text).ids
+    if self.kind == "bytes":
+      return list(text.encode("utf-8"))
+    if self.kind == "digits":
+      chars = text.replace(" ", "")
+      bad = [c for c in chars if not c.isdigit() or int(c) >= self.digits]
+      if bad or not chars:
+        raise GenerateArgumentError(
+            f"--prompt {text!r}: this run's task reads digits 0..{self.digits - 1} (e.g. "
+            f"--prompt 31415926); got {''.join(bad) or 'nothing'}. Pass digits, or ids "
+            "with --tokens.")
+      return [int(c) + FIRST_DIGIT for c in chars] + [SEP]
+    raise GenerateArgumentError(f"--prompt needs a tokenizer, but {self.why}: pass token "
+                                "ids with --tokens '1 2 3'")
+
+  def decode(self, ids: Sequence[int]) -> str | None:
+    from recipes.data import FIRST_DIGIT, SEP
+    if self.kind == "tokenizer":
+      return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    if self.kind == "bytes":
+      return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    if self.kind == "digits":
+      return "".join(str(i - FIRST_DIGIT) if FIRST_DIGIT <= i < FIRST_DIGIT + self.digits
+                     else "|" if i == SEP else "?" for i in ids)
+    return None
+
+
+def _eos_ids(directory: pathlib.Path) -> tuple[int, ...]:
+  """``eos_token_id`` of ``generation_config.json``, else of ``config.json`` (int or list)."""
+  for name in ("generation_config.json", "config.json"):
+    path = directory / name
+    if path.is_file():
+      eos = json.loads(path.read_text()).get("eos_token_id")
+      if eos is not None:
+        return tuple(eos) if isinstance(eos, list) else (int(eos),)
+  return ()
+
+
+def parse_ids(text: str) -> list[int]:
+  """``'5 3, 6'`` -> ``[5, 3, 6]``.
+
+  >>> parse_ids('5 3, 6')
+  [5, 3, 6]
+  """
+  parts = text.replace(",", " ").split()
+  bad = [p for p in parts if not p.lstrip("-").isdigit()]
+  if bad or not parts:
+    raise GenerateArgumentError(f"--tokens {text!r}: give integer ids separated by spaces "
+                                f"(got {bad or 'nothing'})")
+  return [int(p) for p in parts]
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+def restore_params(source: Source, rules, mesh) -> Any:
+  """The run's params restored straight into their shards on ``mesh`` (nothing else of
+  the train state is read)."""
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from partition import path_str
+  from recipes.checkpoint import Checkpointer
+
+  ckpt = Checkpointer(source.checkpoint)
+  try:
+    tree = ckpt.manager.item_metadata(source.step)["state"].tree["params"]
+    axes = source.meta["logical_axes"]
+
+    def target(path, leaf):
+      logical = axes.get("params/" + path_str(path))
+      spec = (rules.spec(tuple(logical), tuple(leaf.shape), mesh) if logical
+              else PartitionSpec())
+      return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype),
+                                  sharding=NamedSharding(mesh, spec))
+
+    abstract = jax.tree_util.tree_map_with_path(
+        target, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  finally:
+    ckpt.close()
+  item = {"params": abstract}
+  with ocp.PyTreeCheckpointer() as reader:   # the params alone (no optimizer state)
+    state = reader.restore(source.checkpoint / str(source.step) / "state",
+                           args=ocp.args.PyTreeRestore(
+                               item, ocp.checkpoint_utils.construct_restore_args(item),
+                               partial_restore=True))
+  return state["params"]
+
+
+def decode_params(framework: str, params: Any, model_config) -> Any:
+  """The parameter tree of ``layers._decode`` from a ``recipes.model.Model``'s params."""
+  if framework == "linen":
+    from layers import linen
+    return linen.decode_params(params, model_config)
+  if framework == "nnx":
+    from layers import nnx
+    return nnx.decode_params(params, model_config)
+  from layers import haiku
+  return haiku.decode_params(params, model_config)
+
+
+def load(source: Source, rules, mesh) -> Any:
+  """``layers._decode`` params of the source, in their shards."""
+  if source.checkpoint is not None:
+    return decode_params(source.config.framework, restore_params(source, rules, mesh),
+                         source.config.model)
+  from recipes import init_from
+  model = init_from.build_model(source.config.init_from, source.config, rules=rules,
+                                mesh=mesh)
+  return decode_params(model.framework, model.params, model.config)
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def prompts_of(args: argparse.Namespace, codec: Codec) -> list[list[int]]:
+  prompts = [codec.encode(p) for p in args.prompt] + [parse_ids(t) for t in args.tokens]
+  if not prompts:
+    raise GenerateArgumentError("no prompt: pass --prompt TEXT or --tokens '1 2 3' (each "
+                                "repeatable)")
+  return prompts
+
+
+def sampling_of(args: argparse.Namespace, codec: Codec):
+  import layers
+  stops = codec.eos if args.stop is None else tuple(
+      i for s in args.stop for i in parse_ids(s))
+  n = args.max_new_tokens or codec.answer_length or 32
+  return layers.Sampling(max_new_tokens=n, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p, seed=args.seed, stop_tokens=stops)
+
+
+def generate(args: argparse.Namespace, out=None) -> Any:
+  """Runs the command; returns the ``layers.Generation`` (printed to ``out``)."""
+  from recipes.train import (
+      check_run,
+      effective_microbatches,
+      make_mesh,
+      make_rules,
+      setup_devices,
+  )
+  out = sys.stdout if out is None else out
+  overrides = list(args.overrides)
+  if args.checkpoint:
+    source = run_source(args.checkpoint, args.step, overrides)
+  elif any(o.partition("=")[0].strip() == "init_from" for o in overrides):
+    source = hf_source(overrides)
+  else:
+    raise GenerateArgumentError("no model: pass --checkpoint runs/x (a training run) or "
+                                "init_from=DIR (a Hugging Face checkpoint directory)")
+  prompts = prompts_of(args, source.codec)
+  sampling = sampling_of(args, source.codec)
+  setup_devices(source.config)
+
+  from layers import _decode
+  from partition import PartitionWarning
+  config = source.config
+  mesh, rules = make_mesh(config), make_rules(config)
+  # The run's checks of preset against mesh (the batch is the prompts': any size works).
+  rows = mesh.devices.size * effective_microbatches(config, rules)
+  check_run(dataclasses.replace(config, batch_size=rows), rules, mesh)
+  params = load(source, rules, mesh)
+  with warnings.catch_warnings():
+    # A batch of a few prompts (or the one-token steps under sequence parallelism) need not
+    # divide the mesh: those dims are replicated, which is what decoding wants.
+    warnings.simplefilter("ignore", PartitionWarning)
+    result = _decode.generate(params, config.model, prompts, sampling, rules=rules, mesh=mesh,
+                              where="recipes.generate")
+  shown = [repr(p) for p in args.prompt] + [f"ids {t}" for t in args.tokens]
+  print_result(shown, result, source.codec, out)
+  return result
+
+
+def print_result(shown: Sequence[str], result, codec: Codec, out) -> None:
+  """Each prompt as given, its continuation (as text when the codec has one) and ids, then
+  the prefill and decode throughput."""
+  for prompt, ids in zip(shown, result.continuations()):
+    print(f"prompt: {prompt}", file=out)
+    answer = codec.decode(ids)
+    if answer is not None:
+      print(f"  -> {answer}", file=out)
+    print(f"  ids: {' '.join(map(str, ids))}", file=out)
+  new = int(result.lengths.sum())
+  print(f"prefill: {result.prompt_tokens} tokens in {result.prefill_seconds * 1e3:.1f} ms "
+        f"({result.prefill_tokens_per_s:,.0f} tokens/s); decode: {new} tokens in "
+        f"{result.decode_steps} steps, {result.decode_seconds * 1e3:.1f} ms "
+        f"({result.decode_tokens_per_s:,.0f} tokens/s)", file=out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """0 done; 2 a mistake in the arguments, the checkpoint or the prompts (a message)."""
+  try:
+    generate(parse_args(argv))
+  except PartitionError as e:   # GenerateError, HFError, TrainConfigError, ...: say the fix
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
