@@ -272,3 +272,45 @@ def test_analytic_cache_bytes_formula():
                                        mesh=mesh)
   assert got == 3 * 2 * math.prod((16 // 8, 10, 2, 8)) * 4
 
+
+
+# -- against transformers' generate (when torch and transformers are installed) ---------------
+
+HF_MODELS = {
+    # name: (transformers config class, fields); shapes unlike the goldens' on purpose
+    "llama_gqa_untied": ("LlamaConfig", dict(num_attention_heads=6, num_key_value_heads=2,
+                                              hidden_size=48, tie_word_embeddings=False)),
+    "llama_mqa_tied": ("LlamaConfig", dict(num_attention_heads=4, num_key_value_heads=1,
+                                            hidden_size=32, tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=32, sliding_window=64, head_dim=8)),
+    "qwen2_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
+                                       hidden_size=32, tie_word_embeddings=True)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HF_MODELS))
+def test_greedy_equals_transformers_generate(name, tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  cls, fields = HF_MODELS[name]
+  torch.manual_seed(0)
+  hf_config = getattr(transformers, cls)(
+      vocab_size=80, intermediate_size=64, num_hidden_layers=2, max_position_embeddings=64,
+      initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+      pad_token_id=0, **fields)
+  model = getattr(transformers, cls.replace("Config", "ForCausalLM"))(hf_config).eval()
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  weights, cfg = layers.from_hf(tmp_path)
+  linen_model = layers.linen.Transformer(cfg)
+  like = linen_model.init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  params = layers.linen.decode_params(layers.from_canonical(weights, like=like), cfg)
+  prompts = [[1, 17, 33, 9, 60, 4, 41], [1, 5], [1, 70, 70, 12]]
+  ours = _decode.generate(params, cfg, prompts,
+                          layers.Sampling(max_new_tokens=10, stop_tokens=[2])).continuations()
+  for prompt, got in zip(prompts, ours):
+    with torch.no_grad():
+      out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10,
+                           eos_token_id=2, pad_token_id=0)
+    assert got == out[0, len(prompt):].tolist(), prompt
+  assert sum(map(len, ours)) > 15, ours   # not a trivial early stop everywhere
