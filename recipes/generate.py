@@ -76,7 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="a stop token id (repeatable; default: the checkpoint's "
                            "eos_token_id, if any)")
   parser.add_argument("overrides", nargs="*", help="key=value overrides")
-  return parser.parse_args(argv)
+  return parser.parse_intermixed_args(argv)   # overrides before or after the options
 
 
 # -- where the model comes from --------------------------------------------------------------

@@ -1,0 +1,148 @@
+"""``python -m recipes.generate``: continuations of a training run or a Hugging Face directory.
+
+References: greedy decoding by re-running the full forward pass (``layers._model.transformer``)
+on the growing sequence, with weights read independently of the command (``recipes.export``
+for a run, ``layers.from_hf`` for a directory); the ``tokenizers`` package's own encoding.
+"""
+
+import json
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import pytest
+from job_testlib import REPO, TINY
+
+import layers
+import layers.linen
+from recipes import export, generate, train
+from recipes.config import load_config
+
+HF_LLAMA = REPO / "tests" / "layers" / "data" / "hf" / "llama"
+FIELDS = re.compile(r"ids: ?([\d ]*)$", re.M)
+
+
+def greedy(params, cfg, prompt, n, stop=()):
+  seq = list(prompt)
+  for _ in range(n):
+    logits, _ = layers._model.transformer(params, jnp.asarray([seq]), cfg)
+    seq.append(int(jnp.argmax(logits[0, -1])))
+    if seq[-1] in stop:
+      break
+  return seq[len(prompt):]
+
+
+def linen_params(weights, cfg):
+  like = layers.linen.Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  return layers.linen.decode_params(layers.from_canonical(weights, like=like), cfg)
+
+
+def run_cli(capsys, argv):
+  rc = generate.main(argv)
+  captured = capsys.readouterr()
+  return rc, captured.out, captured.err
+
+
+def continuations(out):
+  return [[int(t) for t in m.split()] for m in FIELDS.findall(out)]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  """The Llama golden checkpoint with a word-level tokenizer.json next to it."""
+  tokenizers = pytest.importorskip("tokenizers")
+  path = tmp_path_factory.mktemp("hf") / "llama"
+  shutil.copytree(HF_LLAMA, path)
+  words = ["<pad>", "<s>", "</s>"] + [f"w{i}" for i in range(93)]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                         unk_token="<pad>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(path / "tokenizer.json"))
+  return path
+
+
+def test_hf_directory_text_prompts_equal_greedy_reference(hf_dir, capsys):
+  rc, out, err = run_cli(capsys, ["init_from=" + str(hf_dir), "--prompt", "w7 w20 w3",
+                                  "--prompt", "w50", "--max-new-tokens", "5"])
+  assert rc == 0, err
+  weights, cfg = layers.from_hf(hf_dir)
+  params = linen_params(weights, cfg)
+  eos = json.loads((hf_dir / "config.json").read_text())["eos_token_id"]
+  want = [greedy(params, cfg, p, 5, stop=(eos,)) for p in ([10, 23, 6], [53])]
+  assert continuations(out) == want
+  assert re.search(r"prefill: 4 tokens in [\d.]+ ms \([\d,]+ tokens/s\); decode: \d+ tokens",
+                   out)
+  assert "-> w" in out   # decoded back to words by the tokenizer
+
+
+def test_token_ids_without_tokenizer(capsys):
+  rc, out, err = run_cli(capsys, ["init_from=" + str(HF_LLAMA), "--tokens", "1 5 9",
+                                  "--max-new-tokens", "4", "--stop", "2",
+                                  "mesh={data: 2, fsdp: 2, tensor: 2}"])
+  assert rc == 0, err
+  weights, cfg = layers.from_hf(HF_LLAMA)
+  assert continuations(out) == [greedy(linen_params(weights, cfg), cfg, [1, 5, 9], 4, (2,))]
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--tokens", " ".join(["3"] * 65)], r"prompt\(s\) \[0\] have 65 tokens > the model's "
+                                         r"max_len=64"),
+    (["--tokens", "3", "--stop", "500"], r"stop token\(s\) \[500\] are not in the model's "
+                                         r"vocabulary"),
+    (["--tokens", "3", "--top-p", "0"], r"top_p=0.0 must be in \(0, 1\]"),
+    (["--tokens", "3", "--top-p", "1.2"], r"top_p=1.2 must be in \(0, 1\]"),
+    (["--prompt", "hello"], r"--prompt needs a tokenizer, but .* has no tokenizer.json"),
+    (["--tokens", "3 x"], r"--tokens '3 x': give integer ids"),
+    ([], "no prompt: pass --prompt TEXT or --tokens"),
+])
+def test_bad_input_exits_2_naming_it(capsys, argv, match):
+  rc, _, err = run_cli(capsys, ["init_from=" + str(HF_LLAMA), *argv])
+  assert rc == 2
+  assert re.search(match, err), err
+
+
+def test_unexpressible_checkpoint_exits_2(tmp_path, capsys):
+  shutil.copytree(HF_LLAMA, tmp_path / "m")
+  config = json.loads((tmp_path / "m" / "config.json").read_text())
+  config["hidden_act"] = "gelu"
+  (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+  rc, _, err = run_cli(capsys, [f"init_from={tmp_path / 'm'}", "--tokens", "1 2"])
+  assert rc == 2
+  assert "hidden_act='gelu'" in err
+
+
+def test_no_model_exits_2(capsys):
+  rc, _, err = run_cli(capsys, ["--tokens", "1 2"])
+  assert rc == 2 and "no model: pass --checkpoint runs/x" in err
+
+
+@pytest.fixture(scope="module", params=["nnx", "haiku"])
+def tiny_run(request, tmp_path_factory):
+  out = tmp_path_factory.mktemp(f"run_{request.param}")
+  config = load_config(train.default_config_path(),
+                       [*TINY, "seq_len=16", f"framework={request.param}", f"out_dir={out}"])
+  train.train(config, progress=False, out=open("/dev/null", "w"))
+  return out
+
+
+@pytest.mark.slow
+def test_run_checkpoint_digits_and_ids_equal_greedy_reference(tiny_run, capsys):
+  rc, out, err = run_cli(capsys, ["--checkpoint", str(tiny_run), "--prompt", "3141",
+                                  "--tokens", "4 5 1"])
+  assert rc == 0, err
+  weights = export.restore_params(tiny_run)[0]
+  cfg = export.model_config(export.restore_params(tiny_run)[1])
+  params = linen_params(layers.to_canonical(weights), cfg)
+  # Digits d are ids d + 2, then the separator 1; the answer is seq_len // 2 = 8 tokens.
+  want = [greedy(params, cfg, [5, 3, 6, 3, 1], 8), greedy(params, cfg, [4, 5, 1], 8)]
+  assert continuations(out) == want
+
+
+@pytest.mark.slow
+def test_default_recipe_reverses_the_readme_example(tmp_path, capsys):
+  assert train.main([f"out_dir={tmp_path}", "plot=false"]) == 0
+  capsys.readouterr()
+  rc, out, err = run_cli(capsys, ["--checkpoint", str(tmp_path), "--prompt", "31415926"])
+  assert rc == 0, err
+  assert "-> 62951413" in out
