@@ -24,6 +24,7 @@ import jax  # noqa: E402
 from benchmarks import (  # noqa: E402
     accumulation,
     collectives,
+    decode,
     papers,
     pipeline,
     report,
@@ -35,7 +36,7 @@ from benchmarks import (  # noqa: E402
 )
 
 SECTIONS = (xmap_vs_vmap, serial_loop_memory, accumulation, rules_resolution, sharded_init,
-            train_step, collectives, papers, pipeline)
+            train_step, collectives, papers, pipeline, decode)
 HERE = Path(__file__).resolve().parent
 
 
