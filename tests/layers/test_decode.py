@@ -3,6 +3,7 @@ make a padded batch equal its rows alone, sharded decoding equals one device, th
 placed by the rules, and sampling follows its definitions (numpy references)."""
 
 import math
+import pathlib
 
 import haiku as hk
 import jax
@@ -286,6 +287,16 @@ HF_MODELS = {
                                       hidden_size=32, sliding_window=64, head_dim=8)),
     "qwen2_tied": ("Qwen2Config", dict(num_attention_heads=4, num_key_value_heads=2,
                                        hidden_size=32, tie_word_embeddings=True)),
+    "qwen3_mqa": ("Qwen3Config", dict(num_attention_heads=4, num_key_value_heads=1,
+                                      hidden_size=32, head_dim=16, tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", dict(num_attention_heads=4, num_key_value_heads=2,
+                                      hidden_size=32, num_local_experts=4,
+                                      num_experts_per_tok=2)),
+    "llama3_scaled": ("LlamaConfig", dict(
+        num_attention_heads=4, num_key_value_heads=2, hidden_size=32,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 16})),
 }
 
 
@@ -314,3 +325,26 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
                            eos_token_id=2, pad_token_id=0)
     assert got == out[0, len(prompt):].tolist(), prompt
   assert sum(map(len, ours)) > 15, ours   # not a trivial early stop everywhere
+
+
+GOLDENS = pathlib.Path(__file__).parent / "data" / "hf"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in GOLDENS.iterdir()
+                                        if (p / "golden.npz").is_file()))
+def test_greedy_and_scores_equal_transformers_goldens(name):
+  """``transformers``' greedy ``generate`` (KV cache, no stop) of each golden checkpoint
+  (Llama 3.1-style and linear RoPE scaling, Qwen3's q/k norm and Mixtral included):
+  the same tokens, and the same logits at every new position."""
+  with np.load(GOLDENS / name / "golden.npz") as f:
+    prompt, generated, scores = f["prompt"], f["generated"], f["generated_scores"]
+  weights, cfg = layers.from_hf(GOLDENS / name)
+  like = layers.linen.Transformer(cfg).init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  params = layers.linen.decode_params(layers.from_canonical(weights, like=like), cfg)
+  new = generated.shape[1] - prompt.shape[1]
+  out = _decode.generate(params, cfg, prompt.tolist(), layers.Sampling(max_new_tokens=new))
+  np.testing.assert_array_equal(out.tokens, generated[:, prompt.shape[1]:])
+  logits = _cached_logits(params, cfg, jnp.asarray(generated), prompt.shape[1])
+  ours = np.asarray(logits[:, prompt.shape[1] - 1:-1])
+  # As tests/layers/test_hf.py: fp32 both sides, an absolute floor of 1e-5 of the largest.
+  np.testing.assert_allclose(ours, scores, rtol=1e-4, atol=1e-5 * np.abs(scores).max())
