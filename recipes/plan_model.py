@@ -33,7 +33,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes import roofline
+from recipes import cost_model, roofline
 from recipes.chips import Chip
 
 BATCH_AXES = ("batch", "length")
@@ -63,6 +63,14 @@ class Estimate:
     comm_bytes: per mesh-axis group (``'data,fsdp'``), ring bytes sent per device per step.
     comm_phase: per phase, per group, ring bytes (how the group's bytes split over phases).
     comm_s: per phase, per group, seconds on the chip (hierarchical over DCN axes).
+    shape: this device's share of the step (:class:`recipes.cost_model.StepShape`).
+    terms: per phase, seconds per op class on the chip (:func:`recipes.cost_model.step_terms`).
+    bubble: the pipeline's step-time factor ``(r m + p - 1) / (r m)`` (1 without stages).
+    attention_temp: bytes of the attention's working set for one block (the backward's
+      largest transient), included in ``memory['activations']``.
+    serial_axes: mesh axes whose collectives sit between two ops that need their result
+      (tensor-parallel all-reduces, sequence-parallel key/value gathers, pipeline hand-offs):
+      the cost model does not hide them behind compute.
   """
 
   memory: dict[str, float]
@@ -72,6 +80,11 @@ class Estimate:
   comm_bytes: dict[str, float]
   comm_phase: dict[str, dict[str, float]]
   comm_s: dict[str, dict[str, float]]
+  shape: cost_model.StepShape | None = None
+  terms: dict[str, dict[str, float]] | None = None
+  bubble: float = 1.0
+  attention_temp: float = 0.0
+  serial_axes: tuple[str, ...] = ()
 
 
 def mesh_axes_of(rules) -> tuple[str, ...]:
@@ -148,8 +161,11 @@ def batch_groups(rules, mesh: Mapping[str, int], batch: int, seq_len: int
 
 def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str, int], *,
              batch: int, seq_len: int, microbatches: int, remat: str, chip: Chip,
-             hosts: int = 1) -> Estimate:
-  """The analytic :class:`Estimate` of one plan (see the module docstring)."""
+             hosts: int = 1, attention: str | None = None) -> Estimate:
+  """The analytic :class:`Estimate` of one plan (see the module docstring).
+
+  ``attention`` overrides ``model.attention`` (``'auto'`` when the config has none): the
+  implementation the cost model prices and whose working set the memory counts."""
   from jax.sharding import AbstractMesh
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
   size = lambda axes: math.prod(mesh[a] for a in axes)
@@ -172,8 +188,10 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     t = roofline.collective_seconds(g, kind, full_bytes, mesh, links) * times
     comm_t[phase][key] = comm_t[phase].get(key, 0.0) + t
 
+  stages = _layer_axes(rules, amesh, model.num_layers)
   local = gathered = matmul_params = 0.0
   tensor_axes: set[str] = set()
+  untied = any(p.path.endswith("lm_head/kernel") for p in params)
   for p in params:
     nbytes = math.prod(p.shape) * p.itemsize
     dims = _spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else []
@@ -184,8 +202,9 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     full = nbytes / size(shard - set(fsdp))      # this device's slice once gathered
     gathered += full
     if len(p.shape) >= 2:
-      matmul_params += math.prod(p.shape)
-      tensor_axes |= shard - batch_axes
+      if not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
+        matmul_params += math.prod(p.shape)
+      tensor_axes |= shard - batch_axes - set(stages)
     add("forward", fsdp, "all-gather", full)
     add("backward", fsdp, "all-gather", full)
     add("backward", fsdp, "reduce-scatter", full, times=k)
@@ -202,9 +221,23 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   kv_bytes = 2 * tokens * size(seq) * kv * hd * a
   add("forward", seq, "all-gather", kv_bytes, times=L * k)
   add("backward", seq, "reduce-scatter", kv_bytes, times=L * k)
+  p_stages = size(stages)
+  local_layers = L / p_stages
+  if p_stages > 1:   # activations handed to the next stage, gradients back
+    for phase in roofline.PHASES:
+      add(phase, stages, "permute", tokens * d * a, times=k)
 
+  impl = cost_model.resolve_attention(
+      attention or getattr(c, "attention", "auto"), chip, c.dtype, hd)
+  rows_mb = batch / size(rows) / k
+  seq_q = seq_len / size(seq)
   per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, seq_len)
-  acts = tokens * (L * per_token[0] + per_token[1]) * a + tokens * vocab * 4 * 3
+  saved_scores, temp_scores = _score_bytes(remat, impl)
+  scores_per_token = heads * seq_len          # score elements per query token and block
+  attention_temp = tokens * scores_per_token * temp_scores
+  acts = (tokens * (local_layers * per_token[0] + per_token[1]) * a
+          + tokens * scores_per_token * local_layers * saved_scores + attention_temp
+          + tokens * vocab * 4 * 3)
   grads = local * (2 if k > 1 else 1)
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
             "activations": acts, "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
@@ -212,11 +245,11 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
 
   total_tokens = batch * seq_len
   n = size(mesh)
-  attention = 4 * seq_len * c.num_heads * hd * L
-  forward = (2 * matmul_params + attention) * total_tokens
+  attn_flops = 4 * seq_len * c.num_heads * hd * L
+  forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
   flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
-  act_traffic = acts - tokens * vocab * 4 * 3
+  act_traffic = acts - tokens * vocab * 4 * 3 - attention_temp
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k
                      + (3 + ADAM_MOMENTS * 2) * local}
@@ -224,8 +257,53 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   for phase in roofline.PHASES:
     for key, v in comm_b[phase].items():
       comm_bytes[key] = comm_bytes.get(key, 0.0) + v
-  return Estimate(memory, flops, 3 * forward, hbm, comm_bytes, comm_b, comm_t)
+  # useful FLOPs: no recompute, only the unmasked half of causal attention
+  model_flops = (6 * matmul_params + 3 * attn_flops / 2) * total_tokens
+  experts = c.experts_per_token if getattr(c, "num_experts", 0) else 1
+  gathered_elems = sum(math.prod(p.shape) / size(
+      {ax for dd in (_spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else [])
+       for ax in dd if mesh[ax] > 1} - batch_axes) for p in params)
+  shape = cost_model.StepShape(
+      rows=rows_mb, seq_q=seq_q, seq_k=seq_len, embed=d, heads=heads, kv_heads=kv,
+      head_dim=hd, mlp=mlp * experts, vocab=vocab, layers=local_layers, microbatches=k,
+      act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
+      gathered_params=gathered_elems, remat=remat, attention=impl)
+  terms = cost_model.step_terms(shape, chip)
+  m = getattr(c, "pipeline_microbatches", 0) or p_stages
+  r = getattr(c, "pipeline_repeats", 1)
+  bubble = (r * m + p_stages - 1) / (r * m) if p_stages > 1 else 1.0
+  serial = tuple(ax for ax in mesh if ax in set(tensor) | set(seq) | set(stages))
+  return Estimate(memory, flops, model_flops, hbm, comm_bytes, comm_b, comm_t, shape, terms,
+                  bubble, attention_temp, serial)
 
+
+def _layer_axes(rules, amesh, num_layers: int) -> tuple[str, ...]:
+  """The mesh axes (size > 1) a stacked ``layers`` dimension is split over (pipeline
+  stages), ``()`` when the rules keep the layers whole."""
+  dims = _spec_axes(rules.spec(("layers",), (num_layers,), amesh))
+  return tuple(ax for d in dims for ax in d if amesh.shape[ax] > 1)
+
+
+def _param_itemsize(params: Sequence[ParamShape]) -> int:
+  """The parameters' bytes per element (the largest matrix's)."""
+  big = max(params, key=lambda p: math.prod(p.shape), default=None)
+  return big.itemsize if big else 4
+
+
+def _elements(local_bytes: float, params: Sequence[ParamShape]) -> float:
+  return local_bytes / _param_itemsize(params)
+
+
+def _score_bytes(remat: str, impl: str) -> tuple[float, float]:
+  """(bytes per attention score element saved for the backward per block, bytes of one
+  block's transient scores). XLA's materialised softmax saves its bf16 logits, fp32
+  probabilities and bf16 weights under ``none`` (6 B: the H200's 6.5 GB working set at
+  16 heads x 8192^2, /work/shared/device/README.md), the logits under ``dots``; the
+  backward of one block holds them all again. Fused and blockwise kernels keep no scores
+  (a log-sum-exp per row, negligible)."""
+  if impl != "xla":
+    return 0.0, 0.0
+  return {"none": (6.0, 0.0), "dots": (2.0, 6.0)}.get(remat, (0.0, 6.0))
 
 def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
   """How many shards the rules give the logical axis ``name`` of an activation
@@ -238,13 +316,12 @@ def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
 def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: float,
                            mlp: float, seq_len: int) -> tuple[float, float]:
   """(elements saved per token per layer, elements live once for the recomputed block)."""
-  scores = heads * seq_len
-  no_batch = heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d
-  dots = no_batch + scores
-  none = dots + 4 * d + mlp + scores
-  if remat in ("full", "nothing_saveable"):
+  dots = heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d
+  none = dots + 4 * d + mlp
+  redo = cost_model.RECOMPUTE.get(remat, ((), False, False))[0]
+  if remat in ("full", "nothing_saveable") or redo == cost_model.RERUN:
     return d, none
-  return {"dots": (dots, 0.0), "dots_no_batch": (no_batch, scores)}.get(remat, (none, 0.0))
+  return (none, 0.0) if remat == "none" else (dots, 0.0)
 
 
 def _itemsize(dtype) -> int:
