@@ -76,6 +76,8 @@ class Calibration:
       ``(d / (d + knee)) / (ref / (ref + knee))`` of it (0: no shape effect).
     fused_elementwise: the compiler fuses norms, activations and casts into the matmuls
       (XLA:TPU), so they overlap the matmul time instead of adding to it.
+    serial_exposed: the share of the tensor-, sequence- and pipeline-parallel collectives'
+      time that is not hidden behind compute (1 on GPUs, which run them between kernels).
     band: the relative band of a prediction on this chip: the calibration rows
       (:mod:`recipes.calibration`) of its kind all fall inside it.
     sources: field -> where its value comes from.
@@ -91,6 +93,7 @@ class Calibration:
   matmul_knee: float = 0.0
   matmul_reference_dim: float = 8192.0
   fused_elementwise: bool = False
+  serial_exposed: float = 1.0  # share of tensor/sequence/pipeline collectives not hidden
   band: float = 0.2
   sources: tuple[tuple[str, str], ...] = ()
 
@@ -162,6 +165,8 @@ def _gpu_cal(matmul: float, matmul_source: str) -> Calibration:
           ("blockwise_score_bytes", "the blockwise rows of the same table: 110-143 B per "
                                     "score after 4 passes of matmul time; 125 x 0.9"),
           ("op_overhead_s", "assumed: ~10 us per kernel launch, ramp and tail on a GPU"),
+          ("serial_exposed", "assumed: XLA:GPU runs a tensor-parallel all-reduce between the "
+                             "matmuls that need it (no GPU row here tests it)"),
           ("matmul_knee", "fitted: the one GPU coefficient fitted to steps, the smallest "
                           "largest error over MaxText's Llama2-7B on one A3 node (8 x H100, "
                           "492 TFLOP/s/GPU) and the H200 cuDNN-attention reference (131 ms)"),
@@ -176,7 +181,7 @@ def _tpu_cal(matmul: float, matmul_source: str) -> Calibration:
       matmul_efficiency=matmul, hbm_efficiency=0.9,
       fused_attention_fraction=matmul * 0.62 / 0.80, fused_attention_s0=4090.0,
       xla_score_bytes=45.0, blockwise_score_bytes=112.0, op_overhead_s=TPU_OP_OVERHEAD,
-      fused_elementwise=True, sources=(
+      fused_elementwise=True, serial_exposed=0.0, sources=(
           ("matmul_efficiency", matmul_source),
           ("hbm_efficiency", "assumed as for GPUs (not measured here)"),
           ("fused_attention_fraction", "transferred: the H200's cuDNN/matmul ratio "
@@ -186,6 +191,9 @@ def _tpu_cal(matmul: float, matmul_source: str) -> Calibration:
           ("blockwise_score_bytes", "transferred from the H200"),
           ("op_overhead_s", "assumed: XLA:TPU fuses the memory-bound ops around each "
                             "matmul, ~1 us per remaining op"),
+          ("serial_exposed", "the Scaling Book's assumption (tensor-parallel collectives "
+                             "overlap their matmuls: XLA:TPU's collective matmul and the "
+                             "async collective fusion MaxText's LIBTPU_INIT_ARGS enable)"),
       ))
 
 
@@ -199,13 +207,13 @@ _TPU_DCN_PER_HOST = 2.5e10
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # TPUs: the Scaling Book's tables. Hosts hold 4 chips (v4, v5p: 2x2x1) or 8 (v5e, v6e: 4x2).
     Chip("tpu-v4", 2.75e14, 32e9, 1.2e12, 9e10, 3, 4096, _TPU_DCN_PER_HOST / 4,
-         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.86, "assumed: v5p's (no published v4 row "
+         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.76, "assumed: v5p's (no published v4 row "
                                                    "used here)")),
     Chip("tpu-v5e", 1.97e14, 16e9, 8.1e11, 9e10, 2, 256, _TPU_DCN_PER_HOST / 8,
          SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.88, "fitted to " + MAXTEXT + ": v5e-256, "
                                                   "32B, 66.86 % MFU")),
     Chip("tpu-v5p", 4.59e14, 96e9, 2.8e12, 1.8e11, 3, 8960, _TPU_DCN_PER_HOST / 4,
-         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.86, "fitted to " + MAXTEXT + ": v5p-128, "
+         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.76, "fitted to " + MAXTEXT + ": v5p-128, "
                                                   "32B, 71.47 % MFU")),
     Chip("tpu-v6e", 9.2e14, 32e9, 1.6e12, 1.8e11, 2, 256, _TPU_DCN_PER_HOST / 8,
          SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.57, "fitted to " + MAXTEXT + ": v6e-256, "

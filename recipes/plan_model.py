@@ -66,8 +66,9 @@ class Estimate:
     shape: this device's share of the step (:class:`recipes.cost_model.StepShape`).
     terms: per phase, seconds per op class on the chip (:func:`recipes.cost_model.step_terms`).
     bubble: the pipeline's step-time factor ``(r m + p - 1) / (r m)`` (1 without stages).
-    attention_temp: bytes of the attention's working set for one block (the backward's
-      largest transient), included in ``memory['activations']``.
+    attention_temp: bytes of attention scores held for the backward (every block's under
+      ``none``) or in one block's backward, included in ``memory['activations']`` (0 for a
+      fused kernel, which holds none).
     serial_axes: mesh axes whose collectives sit between two ops that need their result
       (tensor-parallel all-reduces, sequence-parallel key/value gathers, pipeline hand-offs):
       the cost model does not hide them behind compute.
@@ -234,9 +235,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, seq_len)
   saved_scores, temp_scores = _score_bytes(remat, impl)
   scores_per_token = heads * seq_len          # score elements per query token and block
-  attention_temp = tokens * scores_per_token * temp_scores
-  acts = (tokens * (local_layers * per_token[0] + per_token[1]) * a
-          + tokens * scores_per_token * local_layers * saved_scores + attention_temp
+  attention_temp = tokens * scores_per_token * (temp_scores + local_layers * saved_scores)
+  acts = (tokens * (local_layers * per_token[0] + per_token[1]) * a + attention_temp
           + tokens * vocab * 4 * 3)
   grads = local * (2 if k > 1 else 1)
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
@@ -249,7 +249,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
   flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
-  act_traffic = acts - tokens * vocab * 4 * 3 - attention_temp
+  act_traffic = acts - tokens * vocab * 4 * 3 - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k
                      + (3 + ADAM_MOMENTS * 2) * local}

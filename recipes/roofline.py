@@ -199,9 +199,10 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
     compute, step, band = peak, roof, 0.0
   else:
     compute = {p: sum(terms.get(p, {}).values()) for p in PHASES}
-    slow = set(dcn_axes) | set(serial_axes)
-    exposed = {p: sum(v for k, v in by_axes[p].items() if set(k.split(",")) & slow)
-               for p in PHASES}
+    frac = chip.cal.serial_exposed if chip.cal else 1.0
+    exposed = {p: sum(v if set(k.split(",")) & set(dcn_axes) else
+                      frac * v if set(k.split(",")) & set(serial_axes) else 0.0
+                      for k, v in by_axes[p].items()) for p in PHASES}
     hidden = {p: comm[p] - exposed[p] for p in PHASES}
     step = bubble * sum(max(compute[p], hidden[p]) + exposed[p] for p in PHASES)
     band = chip.cal.band if chip.cal else 0.0
