@@ -143,10 +143,12 @@ class StepShape:
 
 def matmul_efficiency(m: float, k: float, n: float, chip: Chip) -> float:
   """The fraction of peak a ``[m, k] @ [k, n]`` reaches: the chip's large-matmul
-  efficiency, lowered for a matmul whose smallest dimension is under the reference size
-  the efficiency was measured at (``dmin / (dmin + knee)`` relative to the reference's:
-  fewer tiles per wave, a larger share of prologue and epilogue). ``knee = 0``: no shape
-  effect (the TPU rows, whose MXU tiles are 128 or 256 wide, show none).
+  efficiency, lowered for a weight whose smaller dimension ``d = min(k, n)`` (a thin
+  shard, a narrow model) is under the reference size the efficiency was measured at
+  (``d / (d + knee)`` relative to the reference's: fewer tiles per wave, a larger share of
+  prologue and epilogue). A small ``m`` (few tokens per micro-batch) is priced by its
+  bytes instead (:func:`matmul_seconds`). ``knee = 0``: no shape effect (the TPU rows,
+  whose MXU tiles are 128 or 256 wide, show none).
 
   >>> from recipes.chips import get_chip
   >>> h200 = get_chip('h200')
@@ -158,7 +160,7 @@ def matmul_efficiency(m: float, k: float, n: float, chip: Chip) -> float:
   c = chip.cal
   if c.matmul_knee <= 0:
     return c.matmul_efficiency
-  ref, dmin = c.matmul_reference_dim, min(m, k, n)
+  ref, dmin = c.matmul_reference_dim, min(k, n)
   rel = (dmin / (dmin + c.matmul_knee)) / (ref / (ref + c.matmul_knee))
   return c.matmul_efficiency * min(1.0, rel)
 

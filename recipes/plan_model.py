@@ -10,12 +10,13 @@ device per micro-batch, ``a`` bytes per activation element):
 
 * state: parameter shards, Adam's two moments (same dtype and sharding), the gradient, and
   a gradient accumulator when ``k > 1``;
-* activations saved for the backward, per token and layer, by remat policy: ``full`` /
-  ``nothing_saveable`` keep the block input (``D``) plus one block's working set; ``dots``
-  keeps every matmul output (q, k, v, attention scores and output, the MLP's two
-  up-projections, both output projections); ``dots_no_batch`` the same without the
-  attention scores; ``none`` the ``dots`` set plus the norms, residuals and softmax
-  probabilities; plus the fp32 logits and their gradient;
+* activations saved for the backward, per token and layer, by remat policy
+  (:func:`_activations_per_token`): ``full`` / ``nothing_saveable`` keep the block input
+  plus one block's working set; ``dots`` every matmul output; ``none`` what each op's
+  backward needs (fp32 norm values, matmul inputs, q/k/v, SwiGLU's operands); XLA
+  attention's scores by policy (:func:`_score_bytes`; a fused kernel keeps none); the
+  logits in the compute dtype and fp32 with their gradient; compute-dtype copies of wider
+  parameters;
 * FLOPs: ``2 P_matmul`` per token forward plus attention ``4 s H d_head`` per token per
   layer; backward twice that; full remat reruns the forward inside the backward;
 * collectives: a parameter sharded over a batch axis (FSDP) is all-gathered in the forward
@@ -232,15 +233,19 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
       attention or getattr(c, "attention", "auto"), chip, c.dtype, hd)
   rows_mb = batch / size(rows) / k
   seq_q = seq_len / size(seq)
-  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, seq_len)
-  saved_scores, temp_scores = _score_bytes(remat, impl)
+  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, a)
+  saved_scores, temp_scores = _score_bytes(remat, impl, a)
   scores_per_token = heads * seq_len          # score elements per query token and block
   attention_temp = tokens * scores_per_token * (temp_scores + local_layers * saved_scores)
-  acts = (tokens * (local_layers * per_token[0] + per_token[1]) * a + attention_temp
-          + tokens * vocab * 4 * 3)
+  # logits: the compute-dtype matmul output, its fp32 copy, softmax and gradient
+  logits = tokens * vocab * (4 * 3 + a)
+  acts = tokens * (local_layers * per_token[0] + per_token[1]) + attention_temp + logits
   grads = local * (2 if k > 1 else 1)
+  # parameters stored wider than the compute dtype: the cast copies the backward reuses
+  casts = gathered / _param_itemsize(params) * a if _param_itemsize(params) > a else 0.0
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
-            "activations": acts, "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
+            "activations": acts + casts,
+            "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
   memory["total"] = sum(memory.values())
 
   total_tokens = batch * seq_len
@@ -249,7 +254,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
   flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
-  act_traffic = acts - tokens * vocab * 4 * 3 - tokens * scores_per_token * temp_scores
+  act_traffic = acts - logits - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k
                      + (3 + ADAM_MOMENTS * 2) * local}
@@ -294,16 +299,22 @@ def _elements(local_bytes: float, params: Sequence[ParamShape]) -> float:
   return local_bytes / _param_itemsize(params)
 
 
-def _score_bytes(remat: str, impl: str) -> tuple[float, float]:
-  """(bytes per attention score element saved for the backward per block, bytes of one
-  block's transient scores). XLA's materialised softmax saves its bf16 logits, fp32
-  probabilities and bf16 weights under ``none`` (6 B: the H200's 6.5 GB working set at
-  16 heads x 8192^2, /work/shared/device/README.md), the logits under ``dots``; the
-  backward of one block holds them all again. Fused and blockwise kernels keep no scores
-  (a log-sum-exp per row, negligible)."""
+def _score_bytes(remat: str, impl: str, a: int) -> tuple[float, float]:
+  """(bytes per attention score element saved for the backward per block, bytes per score
+  of one block's backward working set). XLA's materialised softmax (``layers``' attention)
+  saves the broadcast mask (1 B), the fp32 probabilities (4 B) and the compute-dtype
+  weights (``a``) under ``none``, the logits (``a``) under ``dots``; a block's backward
+  holds fp32 probability and logit gradients and the weights' gradient (``8 + a``), plus
+  the recomputed forward's ``5 + a`` when the policy reruns it. Fused and blockwise
+  kernels keep no scores (a log-sum-exp per row, negligible)."""
   if impl != "xla":
     return 0.0, 0.0
-  return {"none": (6.0, 0.0), "dots": (2.0, 6.0)}.get(remat, (0.0, 6.0))
+  backward = 8.0 + a
+  if remat == "none":
+    return 1.0 + 4.0 + a, backward
+  saved = a if remat == "dots" else 0.0
+  return saved, backward + (0.0 if remat == "dots" else 5.0 + a)
+
 
 def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
   """How many shards the rules give the logical axis ``name`` of an activation
@@ -314,13 +325,25 @@ def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
 
 
 def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: float,
-                           mlp: float, seq_len: int) -> tuple[float, float]:
-  """(elements saved per token per layer, elements live once for the recomputed block)."""
-  dots = heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d
-  none = dots + 4 * d + mlp
+                           mlp: float, a: int) -> tuple[float, float]:
+  """(bytes saved per token per block for the backward, bytes live once for the block the
+  backward recomputes), from what ``layers``' block keeps (scores apart, :func:`_score_bytes`):
+
+  * ``none``: both RMSNorms' fp32 input and normalised output (``16 D``), every matmul's
+    input (``D`` for QKV, ``H d_head`` for the output projection, ``D`` for the MLP in,
+    ``F`` for the MLP out), queries, keys and values, and SwiGLU's gate, up and
+    ``silu(gate)`` (``3 F``);
+  * ``dots`` / ``dots_no_batch`` and MaxText's projection-saving policies: the dot outputs
+    (QKV, the attention output, both output projections, the MLP's two up-projections)
+    and the block input;
+  * ``full`` / ``nothing_saveable``: the block input, and one block's ``none`` set while its
+    backward runs.
+  """
+  none = 16 * d + a * (2 * d + 2 * heads * hd + 2 * kv * hd + 4 * mlp)
+  dots = a * (heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d)
   redo = cost_model.RECOMPUTE.get(remat, ((), False, False))[0]
   if remat in ("full", "nothing_saveable") or redo == cost_model.RERUN:
-    return d, none
+    return a * d, none
   return (none, 0.0) if remat == "none" else (dots, 0.0)
 
 
