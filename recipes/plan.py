@@ -554,9 +554,10 @@ def measure(config, results: Sequence[Result], *, top: int, steps: int = 5,
   return chosen
 
 
-def render_measured(chosen: Sequence[Result], chip, out=sys.stdout) -> None:
-  """Predicted against measured, one line per measured plan."""
+def render_measured(chosen: Sequence[Result], chip, out=None) -> None:
+  """Predicted against measured, one line per measured plan (on ``out``, default stdout)."""
   from rich.console import Console
+  from rich.markup import escape
   from rich.table import Table
   table = Table(title=f"predicted (for {chip.name}) vs measured (on this machine)")
   for name in ("plan", "predicted step", "measured step", "error", "predicted memory",
@@ -565,14 +566,16 @@ def render_measured(chosen: Sequence[Result], chip, out=sys.stdout) -> None:
   for r in chosen:
     m = r.measured or {}
     if "step_s" not in m:
-      table.add_row(r.candidate.label(), _seconds(r.time.step_s), m.get("error", "-"),
+      table.add_row(escape(r.candidate.label()), _seconds(r.time.step_s),
+                    escape(m.get("error", "-")),
                     "", _human(r.memory), "", "", "")
       continue
-    table.add_row(r.candidate.label(), f"{_seconds(r.time.step_s)} ±{100 * r.time.band:.0f}%",
+    table.add_row(escape(r.candidate.label()),
+                  f"{_seconds(r.time.step_s)} ±{100 * r.time.band:.0f}%",
                   _seconds(m["step_s"]), f"{100 * (r.time.step_s / m['step_s'] - 1):+.0f}%",
                   _human(r.memory), _human(m["memory"]),
                   f"{100 * (r.memory / m['memory'] - 1):+.0f}%", m["device"])
-  console = Console(file=out, width=200)
+  console = Console(file=out or sys.stdout, width=200)
   console.print(table)
   kinds = {str((r.measured or {}).get("platform")) for r in chosen}
   if chip.kind not in kinds:
