@@ -85,6 +85,8 @@ class Result:
   time: roofline.StepTime
   memory: float            # bytes per device: compiled peak, else the estimate
   fits: bool
+  memory_source: str = "analytic"   # what ``memory`` is (see :func:`evaluate`)
+  measured: dict[str, Any] | None = None   # --measure: step seconds, memory on the device
 
   @property
   def comm_bytes(self) -> dict[str, float]:
@@ -102,7 +104,10 @@ class Result:
     return {"preset": c.preset, "mesh": c.mesh_dict, "microbatches": c.microbatches,
             "remat": c.remat, "source": self.source, "fits": self.fits,
             "memory_per_device": self.memory, "collective_bytes": self.comm_bytes,
-            "step_s": self.time.step_s,
+            "memory_source": self.memory_source, "attention": self.estimate.shape.attention
+            if self.estimate.shape else None,
+            "step_s": self.time.step_s, "band": self.time.band,
+            "roofline_s": self.time.roofline_s, "measured": self.measured,
             "bound": self.time.bound, "bound_axes": self.time.bound_axes,
             "mfu": self.time.mfu, "roofline": self.time.to_dict(),
             "estimate": dataclasses.asdict(self.estimate), "compiled": self.compiled}
@@ -338,41 +343,57 @@ class Cache:
 
 
 def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip,
-             devices: int, hosts: int) -> Result:
-  """The roofline of a candidate from its compiled figures where it has them (peak memory,
-  and each axis group's collective bytes split over the phases as the estimate splits
-  them), else from the estimate. FLOPs and HBM traffic are always the estimate's, the
-  compiled ones are kept in the JSON: ``cost_analysis`` counts a while-loop body once
-  (scanned layers, the micro-batch loop), and XLA:CPU's ``bytes accessed`` follows its own
-  fusions, not an accelerator's."""
-  if not compiled:
-    t = roofline.step_time(flops=est.flops, hbm_bytes=est.hbm_bytes, comm_s=est.comm_s,
-                           chip=chip, model_flops=est.model_flops, devices=devices)
-    return Result(c, est, None, t, est.memory["total"], est.memory["total"] <= chip.hbm_bytes)
+             devices: int, hosts: int, roofline_only: bool = False) -> Result:
+  """The predicted step of a candidate (:mod:`recipes.cost_model` priced by
+  :func:`recipes.roofline.step_time`), with collectives from its compiled figures where it
+  has them (each axis group's bytes split over the phases as the estimate splits them),
+  else from the estimate. FLOPs and HBM traffic are always the estimate's, the compiled
+  ones are kept in the JSON: ``cost_analysis`` counts a while-loop body once (scanned
+  layers, the micro-batch loop), and XLA:CPU's ``bytes accessed`` follows its own fusions,
+  not an accelerator's.
+
+  Memory per device is the compiled peak when the compile ran the attention the chip will
+  run (``xla``: the CPU compile's own), labelled ``compiled (cpu)``; otherwise (a fused
+  kernel on the chip) the estimate, whose activations hold that kernel's working set,
+  labelled ``analytic (+<kernel> attention)``. The compiled peak is kept in the JSON.
+  ``roofline_only``: the bare roofline (datasheet peaks) as the step time, the Scaling
+  Book's accounting."""
   mesh = c.mesh_dict
   links = roofline.axis_links(mesh, chip, hosts)
-  share = lambda part: {p: part[p] / max(sum(part.values()), 1e-30) for p in part}
-  comm_s = {p: {} for p in roofline.PHASES}
-  if compiled["collective_bytes"] is None:   # unreadable HLO collectives: the estimate's
-    comm_s = est.comm_s
-  for key, wire in (compiled["collective_bytes"] or {}).items():
-    axes = tuple(key.split(",")) if key != "?" else tuple(a for a, v in mesh.items() if v > 1)
-    per_phase = {p: est.comm_phase[p].get(key, 0.0) for p in roofline.PHASES}
-    split = share(per_phase) if sum(per_phase.values()) > 0 else {"forward": 0.0,
-                                                                   "backward": 1.0}
-    for p in roofline.PHASES:
-      comm_s[p][key] = roofline.wire_seconds(axes, wire * split[p], mesh, links)
+  dcn = {a for a, link in links.items() if link.dcn}
+  comm_s = est.comm_s
+  if compiled and compiled.get("collective_bytes") is not None:
+    share = lambda part: {p: part[p] / max(sum(part.values()), 1e-30) for p in part}
+    comm_s = {p: {} for p in roofline.PHASES}
+    for key, wire in compiled["collective_bytes"].items():
+      axes = tuple(key.split(",")) if key != "?" else tuple(a for a, v in mesh.items() if v > 1)
+      per_phase = {p: est.comm_phase[p].get(key, 0.0) for p in roofline.PHASES}
+      split = share(per_phase) if sum(per_phase.values()) > 0 else {"forward": 0.0,
+                                                                     "backward": 1.0}
+      for p in roofline.PHASES:
+        comm_s[p][key] = roofline.wire_seconds(axes, wire * split[p], mesh, links)
   t = roofline.step_time(
       flops=est.flops,  # cost_analysis counts a while-loop body once (scanned layers, k > 1)
       hbm_bytes=est.hbm_bytes,  # XLA:CPU's "bytes accessed" follows CPU fusion, not an HBM's
-      comm_s=comm_s, chip=chip, model_flops=est.model_flops, devices=devices)
-  peak = compiled["memory"]["peak"]
-  return Result(c, est, compiled, t, peak, peak <= chip.hbm_bytes)
+      comm_s=comm_s, chip=chip, model_flops=est.model_flops, devices=devices,
+      terms=None if roofline_only else est.terms, dcn_axes=dcn,
+      serial_axes=est.serial_axes, bubble=est.bubble)
+  impl = est.shape.attention if est.shape else "xla"
+  if compiled and impl == "xla":
+    peak = compiled["memory"]["peak"]
+    return Result(c, est, compiled, t, peak, peak <= chip.hbm_bytes, "compiled (cpu)")
+  memory = est.memory["total"]
+  label = "analytic" + (f" (+{impl} attention)" if impl != "xla" else
+                        f" (+{_human(est.attention_temp)} xla scores)")
+  return Result(c, est, compiled, t, memory, memory <= chip.hbm_bytes, label)
 
 
 def rank(results: list[Result]) -> list[Result]:
-  """Fitting plans first, then by predicted step time, then by memory per device."""
-  return sorted(results, key=lambda r: (not r.fits, r.time.step_s, r.memory))
+  """Fitting plans first, then by predicted step time (to 4 significant digits), then by
+  the bare roofline (of two plans the cost model ties, the one with more headroom over
+  its collectives at datasheet rates), then by memory per device."""
+  return sorted(results, key=lambda r: (not r.fits, float(f"{r.time.step_s:.4g}"),
+                                        float(f"{r.time.roofline_s:.4g}"), r.memory))
 
 
 @dataclasses.dataclass
@@ -392,7 +413,8 @@ class Search:
 def search(config, *, devices: int, chip, hosts: int | None = None,
            presets: Sequence[str] | None = None, remats: Sequence[str] = DEFAULT_REMATS,
            max_microbatches: int = 8, compile_top: int = 4, cache: Cache | None = None,
-           progress: bool = False) -> Search:
+           progress: bool = False, attention: str | None = None,
+           roofline_only: bool = False) -> Search:
   """Ranks every candidate plan of ``config`` on ``devices`` chips of kind ``chip``.
 
   Args:
@@ -408,6 +430,9 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
     compile_top: compile this many of the best analytic plans that fit (0: none).
     cache: compiled results by plan.
     progress: show rich progress bars.
+    attention: the attention implementation to price (``None``: ``model.attention`` where
+      the config has it, else ``'auto'``: cuDNN on GPUs, Pallas on TPUs).
+    roofline_only: rank by the bare roofline (``--roofline``) instead of the cost model.
 
   Returns:
     A :class:`Search`.
@@ -423,6 +448,11 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
   if unknown:
     raise PlanError(f"--remat {unknown[0]!r} is not a remat policy; use some of "
                     f"{', '.join(plan_model.REMATS)}.")
+  from recipes import cost_model
+  if attention is not None and attention not in cost_model.ATTENTIONS:
+    raise PlanError(f"--attention {attention!r} is not an attention implementation"
+                    f"{did_you_mean(attention, cost_model.ATTENTIONS)}; use one of "
+                    f"{', '.join(cost_model.ATTENTIONS)}.")
   if hosts is None:
     hosts = max(1, math.ceil(devices / chip.domain_chips))
   all_presets = sorted(p.stem for p in PRESETS.glob("*.yaml"))
@@ -450,9 +480,10 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
       estimates[c] = plan_model.estimate(
           params, config.model, rules_of[c.preset], c.mesh_dict, batch=config.batch_size,
           seq_len=config.seq_len, microbatches=c.microbatches, remat=c.remat, chip=chip,
-          hosts=hosts)
+          hosts=hosts, attention=attention)
       bar.advance(task)
-  results = {c: evaluate(c, e, None, chip, devices, hosts) for c, e in estimates.items()}
+  results = {c: evaluate(c, e, None, chip, devices, hosts, roofline_only)
+             for c, e in estimates.items()}
   cache = cache or Cache(None)
   keys = {c: cache_key(candidate_config(config, c), devices) for c in cands}
   cached = [c for c in cands if keys[c] in cache.data and "error" not in cache.data[keys[c]]]
@@ -471,11 +502,86 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
   for c in cands:
     got = cache.data.get(keys[c])
     if got and "error" not in got:
-      results[c] = evaluate(c, estimates[c], got, chip, devices, hosts)
+      results[c] = evaluate(c, estimates[c], got, chip, devices, hosts, roofline_only)
   failed = {c.label(): cache.data[keys[c]]["error"].splitlines()[0] for c in chosen
             if "error" in cache.data.get(keys[c], {})}
   return Search(rank(list(results.values())), len(cands), len(chosen), len(cached),
                 time.perf_counter() - start, skipped, hosts, failed)
+
+
+def measure(config, results: Sequence[Result], *, top: int, steps: int = 5,
+            devices: int) -> list[Result]:
+  """Compiles and times the first ``top`` fitting plans on the devices this process sees (the
+  calibration loop on one's own hardware): per plan, the step's memory per device from the
+  compile on this backend (XLA ``memory_analysis``) and the median of ``steps`` timed steps
+  after one warm-up step, stored in ``Result.measured``. A plan that fails to build or run
+  gets ``{'error': ...}`` and the others go on.
+
+  Raises:
+    PlanError: when this process does not see ``devices`` devices.
+  """
+  import jax
+  import numpy as np
+
+  from recipes import explain, train
+  if jax.device_count() != devices:
+    raise PlanError(f"--measure times the plans on the devices this process sees: "
+                    f"{jax.device_count()} {jax.default_backend()} device(s), but --devices "
+                    f"is {devices}. Plan for --devices {jax.device_count()}, or run where "
+                    f"{devices} are visible (on CPU: XLA_FLAGS="
+                    f"--xla_force_host_platform_device_count={devices}).")
+  chosen = [r for r in results if r.fits][:top]
+  for r in chosen:
+    try:
+      run = train.build_run(candidate_config(config, r.candidate))
+      batch = run.data.batch(0)
+      compiled = run.train_step.lower(run.state, batch).compile()
+      memory = explain.memory_of(compiled).peak
+      state, metrics = compiled(run.state, batch)     # warm-up (the state is donated)
+      jax.block_until_ready(metrics)
+      times = []
+      for _ in range(max(1, steps)):
+        start = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - start)
+      r.measured = {"step_s": float(np.median(times)), "memory": float(memory),
+                    "steps": len(times), "platform": jax.default_backend(),
+                    "device": str(jax.devices()[0].device_kind)}
+      del run, state
+    except Exception as e:  # noqa: BLE001 - one failed plan does not end the measurement
+      r.measured = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+  return chosen
+
+
+def render_measured(chosen: Sequence[Result], chip, out=None) -> None:
+  """Predicted against measured, one line per measured plan (on ``out``, default stdout)."""
+  from rich.console import Console
+  from rich.markup import escape
+  from rich.table import Table
+  table = Table(title=f"predicted (for {chip.name}) vs measured (on this machine)")
+  for name in ("plan", "predicted step", "measured step", "error", "predicted memory",
+               "measured memory", "memory error", "device"):
+    table.add_column(name, justify="left" if name in ("plan", "device") else "right")
+  for r in chosen:
+    m = r.measured or {}
+    if "step_s" not in m:
+      table.add_row(escape(r.candidate.label()), _seconds(r.time.step_s),
+                    escape(m.get("error", "-")),
+                    "", _human(r.memory), "", "", "")
+      continue
+    table.add_row(escape(r.candidate.label()),
+                  f"{_seconds(r.time.step_s)} ±{100 * r.time.band:.0f}%",
+                  _seconds(m["step_s"]), f"{100 * (r.time.step_s / m['step_s'] - 1):+.0f}%",
+                  _human(r.memory), _human(m["memory"]),
+                  f"{100 * (r.memory / m['memory'] - 1):+.0f}%", m["device"])
+  console = Console(file=out or sys.stdout, width=200)
+  console.print(table)
+  kinds = {str((r.measured or {}).get("platform")) for r in chosen}
+  if chip.kind not in kinds:
+    console.print(f"note: measured on {', '.join(sorted(kinds))}, predicted for {chip.name}: "
+                  "the columns compare only when --chip names the chips measured on.",
+                  highlight=False)
 
 
 def _rules(config, preset: str):
@@ -527,13 +633,18 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
   """The ranked rich table (the first ``top`` plans) and a one-line summary."""
   from rich.console import Console
   from rich.table import Table
-  console = Console(file=out, width=200)
+  console = Console(file=out, width=220)
   table = Table(title=f"plans for {devices} x {chip.name} ({hosts} host domain"
                       f"{'s' if hosts > 1 else ''}), best first")
-  for name in ("#", "preset", "mesh", "k", "remat", "memory/device", "fits", "step time",
-               "bound", "MFU", "collectives/device", "figures"):
-    table.add_column(name, justify="right" if name in ("#", "k", "memory/device",
-                                                       "step time", "MFU") else "left")
+  measured = any(r.measured for r in found.results[:top])
+  names = ["#", "preset", "mesh", "k", "remat", "attention", "memory/device", "fits",
+           "step time", "bound", "MFU", "roofline", "collectives/device", "figures"]
+  if measured:
+    names[9:9] = ["measured step", "measured memory"]
+  right = ("#", "k", "memory/device", "step time", "MFU", "roofline", "measured step",
+           "measured memory")
+  for name in names:
+    table.add_column(name, justify="right" if name in right else "left")
   for i, r in enumerate(found.results[:top], 1):
     c = r.candidate
     mesh = ", ".join(f"{k}={v}" for k, v in c.mesh)
@@ -541,16 +652,28 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
     bound = r.time.bound
     if bound == "communication":
       bound = f"[yellow]communication ({r.time.bound_axes})[/yellow]"
-    table.add_row(str(i), c.preset, mesh, str(c.microbatches), c.remat, _human(r.memory),
-                  fits, _seconds(r.time.step_s), bound, f"{100 * r.time.mfu:.1f}%",
-                  ", ".join(f"{k} {_human(v)}" for k, v in r.comm_bytes.items()) or "-",
-                  r.source)
+    band = f" ±{100 * r.time.band:.0f}%" if r.time.band else ""
+    attn = r.estimate.shape.attention if r.estimate.shape else "-"
+    row = [str(i), c.preset, mesh, str(c.microbatches), c.remat, attn, _human(r.memory),
+           fits, _seconds(r.time.step_s) + band, bound, f"{100 * r.time.mfu:.1f}%",
+           _seconds(r.time.roofline_s),
+           ", ".join(f"{k} {_human(v)}" for k, v in r.comm_bytes.items()) or "-",
+           r.memory_source]
+    if measured:
+      m = r.measured or {}
+      row[9:9] = [_seconds(m["step_s"]) if "step_s" in m else m.get("error", "-")[:40],
+                  _human(m["memory"]) if m.get("memory") else "-"]
+    table.add_row(*row)
   console.print(table)
+  cal = chip.cal
   console.print(f"{found.num_candidates} distinct candidates screened, "
                 f"{found.num_compiled} compiled now, {found.num_cached} from the cache, "
-                f"in {found.seconds:.1f} s. Overlap assumption: within a phase (forward, "
-                "backward) compute, HBM and that phase's collectives overlap; phases do not.",
-                highlight=False)
+                f"in {found.seconds:.1f} s. Step time: the calibrated cost model "
+                f"(recipes/cost_model.py; matmuls at most {100 * cal.matmul_efficiency:.0f}% "
+                f"of {chip.name}'s peak, so MFU never exceeds it), ± its calibration band "
+                "(docs/planning.md); 'roofline' is the bare bound at datasheet peaks. "
+                "Overlap: FSDP and data-parallel collectives hide behind their phase's "
+                "compute; tensor-parallel and cross-node ones do not.", highlight=False)
   for preset, why in found.skipped.items():
     console.print(f"note: preset {preset}: {why}", highlight=False)
   for label, why in found.failed.items():
@@ -638,6 +761,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                            "the plot goes next to it (.png)")
   parser.add_argument("--cache", default=DEFAULT_CACHE,
                       help=f"compiled results by plan (default {DEFAULT_CACHE}; '' disables)")
+  parser.add_argument("--attention", default=None,
+                      help="the attention implementation to price: auto (cuDNN on GPUs, Pallas "
+                           "on TPUs), xla, cudnn, pallas, blockwise (default: model.attention, "
+                           "else auto)")
+  parser.add_argument("--roofline", action="store_true",
+                      help="rank by the bare roofline (datasheet peaks, perfect overlap: the "
+                           "Scaling Book's accounting) instead of the calibrated cost model")
+  parser.add_argument("--measure", type=int, default=0, metavar="K",
+                      help="compile and time the best K plans on the devices this process "
+                           "sees and print predicted vs measured (0: off)")
+  parser.add_argument("--measure-steps", type=int, default=5, metavar="S",
+                      help="timed steps per measured plan, after one warm-up (default 5)")
   parser.add_argument("--no-plot", action="store_true")
   parser.add_argument("--compile-worker", help=argparse.SUPPRESS)
   parser.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -645,6 +780,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.compile_worker is None and (args.devices is None or args.chip is None):
     parser.error("--devices N and --chip NAME are required, e.g. --devices 8 --chip v5e")
   return args
+
+
+def _attention_override(overrides: list[str], flag: str | None) -> tuple[list[str], str | None]:
+  """``model.attention=X`` among the overrides: kept for the config when the model has that
+  field, else taken out and used as ``--attention`` (which wins over it)."""
+  import layers
+  has_field = "attention" in {f.name for f in dataclasses.fields(layers.TransformerConfig)}
+  found = [o for o in overrides if o.split("=", 1)[0].strip() == "model.attention"]
+  if not found or has_field:
+    return overrides, flag
+  return [o for o in overrides if o not in found], flag or found[-1].split("=", 1)[1].strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -659,7 +805,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       if args.ici_dims < 1:
         raise PlanError(f"--ici-dims {args.ici_dims} must be at least 1.")
       chip = dataclasses.replace(chip, torus_dims=args.ici_dims)
-    overrides = list(args.overrides)
+    overrides, attention = _attention_override(list(args.overrides), args.attention)
     config = load_config(args.config or train.default_config_path(), overrides)
     if args.batch_tokens is not None:
       if args.batch_tokens < config.seq_len or args.batch_tokens % config.seq_len:
@@ -673,7 +819,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     found = search(config, devices=args.devices, chip=chip, hosts=args.hosts,
                    presets=args.preset, remats=args.remat or DEFAULT_REMATS,
                    max_microbatches=args.max_microbatches, compile_top=args.compile_top,
-                   cache=Cache(args.cache or None), progress=sys.stderr.isatty())
+                   cache=Cache(args.cache or None), progress=sys.stderr.isatty(),
+                   attention=attention, roofline_only=args.roofline)
+    measured = (measure(config, found.results, top=args.measure, steps=args.measure_steps,
+                        devices=args.devices) if args.measure > 0 else [])
   except (TrainConfigError, PartitionError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -701,6 +850,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "plans": [r.to_dict() for r in found.results[:args.top]]}, indent=1))
   else:
     render(found, chip, args.devices, hosts, args.top)
+    if measured:
+      render_measured(measured, chip)
     if best.fits:
       print(f"best plan written to {out}: python -m recipes.train --config {out}")
     else:

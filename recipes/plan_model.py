@@ -10,12 +10,13 @@ device per micro-batch, ``a`` bytes per activation element):
 
 * state: parameter shards, Adam's two moments (same dtype and sharding), the gradient, and
   a gradient accumulator when ``k > 1``;
-* activations saved for the backward, per token and layer, by remat policy: ``full`` /
-  ``nothing_saveable`` keep the block input (``D``) plus one block's working set; ``dots``
-  keeps every matmul output (q, k, v, attention scores and output, the MLP's two
-  up-projections, both output projections); ``dots_no_batch`` the same without the
-  attention scores; ``none`` the ``dots`` set plus the norms, residuals and softmax
-  probabilities; plus the fp32 logits and their gradient;
+* activations saved for the backward, per token and layer, by remat policy
+  (:func:`_activations_per_token`): ``full`` / ``nothing_saveable`` keep the block input
+  plus one block's working set; ``dots`` every matmul output; ``none`` what each op's
+  backward needs (fp32 norm values, matmul inputs, q/k/v, SwiGLU's operands); XLA
+  attention's scores by policy (:func:`_score_bytes`; a fused kernel keeps none); the
+  logits in the compute dtype and fp32 with their gradient; compute-dtype copies of wider
+  parameters;
 * FLOPs: ``2 P_matmul`` per token forward plus attention ``4 s H d_head`` per token per
   layer; backward twice that; full remat reruns the forward inside the backward;
 * collectives: a parameter sharded over a batch axis (FSDP) is all-gathered in the forward
@@ -33,7 +34,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from recipes import roofline
+from recipes import cost_model, roofline
 from recipes.chips import Chip
 
 BATCH_AXES = ("batch", "length")
@@ -63,6 +64,15 @@ class Estimate:
     comm_bytes: per mesh-axis group (``'data,fsdp'``), ring bytes sent per device per step.
     comm_phase: per phase, per group, ring bytes (how the group's bytes split over phases).
     comm_s: per phase, per group, seconds on the chip (hierarchical over DCN axes).
+    shape: this device's share of the step (:class:`recipes.cost_model.StepShape`).
+    terms: per phase, seconds per op class on the chip (:func:`recipes.cost_model.step_terms`).
+    bubble: the pipeline's step-time factor ``(r m + p - 1) / (r m)`` (1 without stages).
+    attention_temp: bytes of attention scores held for the backward (every block's under
+      ``none``) or in one block's backward, included in ``memory['activations']`` (0 for a
+      fused kernel, which holds none).
+    serial_axes: mesh axes whose collectives sit between two ops that need their result
+      (tensor-parallel all-reduces, sequence-parallel key/value gathers, pipeline hand-offs):
+      the cost model does not hide them behind compute.
   """
 
   memory: dict[str, float]
@@ -72,6 +82,11 @@ class Estimate:
   comm_bytes: dict[str, float]
   comm_phase: dict[str, dict[str, float]]
   comm_s: dict[str, dict[str, float]]
+  shape: cost_model.StepShape | None = None
+  terms: dict[str, dict[str, float]] | None = None
+  bubble: float = 1.0
+  attention_temp: float = 0.0
+  serial_axes: tuple[str, ...] = ()
 
 
 def mesh_axes_of(rules) -> tuple[str, ...]:
@@ -148,8 +163,11 @@ def batch_groups(rules, mesh: Mapping[str, int], batch: int, seq_len: int
 
 def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str, int], *,
              batch: int, seq_len: int, microbatches: int, remat: str, chip: Chip,
-             hosts: int = 1) -> Estimate:
-  """The analytic :class:`Estimate` of one plan (see the module docstring)."""
+             hosts: int = 1, attention: str | None = None) -> Estimate:
+  """The analytic :class:`Estimate` of one plan (see the module docstring).
+
+  ``attention`` overrides ``model.attention`` (``'auto'`` when the config has none): the
+  implementation the cost model prices and whose working set the memory counts."""
   from jax.sharding import AbstractMesh
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
   size = lambda axes: math.prod(mesh[a] for a in axes)
@@ -172,8 +190,10 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     t = roofline.collective_seconds(g, kind, full_bytes, mesh, links) * times
     comm_t[phase][key] = comm_t[phase].get(key, 0.0) + t
 
+  stages = _layer_axes(rules, amesh, model.num_layers)
   local = gathered = matmul_params = 0.0
   tensor_axes: set[str] = set()
+  untied = any(p.path.endswith("lm_head/kernel") for p in params)
   for p in params:
     nbytes = math.prod(p.shape) * p.itemsize
     dims = _spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else []
@@ -184,8 +204,9 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     full = nbytes / size(shard - set(fsdp))      # this device's slice once gathered
     gathered += full
     if len(p.shape) >= 2:
-      matmul_params += math.prod(p.shape)
-      tensor_axes |= shard - batch_axes
+      if not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
+        matmul_params += math.prod(p.shape)
+      tensor_axes |= shard - batch_axes - set(stages)
     add("forward", fsdp, "all-gather", full)
     add("backward", fsdp, "all-gather", full)
     add("backward", fsdp, "reduce-scatter", full, times=k)
@@ -202,21 +223,38 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   kv_bytes = 2 * tokens * size(seq) * kv * hd * a
   add("forward", seq, "all-gather", kv_bytes, times=L * k)
   add("backward", seq, "reduce-scatter", kv_bytes, times=L * k)
+  p_stages = size(stages)
+  local_layers = L / p_stages
+  if p_stages > 1:   # activations handed to the next stage, gradients back
+    for phase in roofline.PHASES:
+      add(phase, stages, "permute", tokens * d * a, times=k)
 
-  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, seq_len)
-  acts = tokens * (L * per_token[0] + per_token[1]) * a + tokens * vocab * 4 * 3
+  impl = cost_model.resolve_attention(
+      attention or getattr(c, "attention", "auto"), chip, c.dtype, hd)
+  rows_mb = batch / size(rows) / k
+  seq_q = seq_len / size(seq)
+  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, a)
+  saved_scores, temp_scores = _score_bytes(remat, impl, a)
+  scores_per_token = heads * seq_len          # score elements per query token and block
+  attention_temp = tokens * scores_per_token * (temp_scores + local_layers * saved_scores)
+  # logits: the compute-dtype matmul output, its fp32 copy, softmax and gradient
+  logits = tokens * vocab * (4 * 3 + a)
+  acts = tokens * (local_layers * per_token[0] + per_token[1]) + attention_temp + logits
   grads = local * (2 if k > 1 else 1)
+  # parameters stored wider than the compute dtype: the cast copies the backward reuses
+  casts = gathered / _param_itemsize(params) * a if _param_itemsize(params) > a else 0.0
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
-            "activations": acts, "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
+            "activations": acts + casts,
+            "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
   memory["total"] = sum(memory.values())
 
   total_tokens = batch * seq_len
   n = size(mesh)
-  attention = 4 * seq_len * c.num_heads * hd * L
-  forward = (2 * matmul_params + attention) * total_tokens
+  attn_flops = 4 * seq_len * c.num_heads * hd * L
+  forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
   flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
-  act_traffic = acts - tokens * vocab * 4 * 3
+  act_traffic = acts - logits - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k
                      + (3 + ADAM_MOMENTS * 2) * local}
@@ -224,7 +262,58 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   for phase in roofline.PHASES:
     for key, v in comm_b[phase].items():
       comm_bytes[key] = comm_bytes.get(key, 0.0) + v
-  return Estimate(memory, flops, 3 * forward, hbm, comm_bytes, comm_b, comm_t)
+  # useful FLOPs: no recompute, only the unmasked half of causal attention
+  model_flops = (6 * matmul_params + 3 * attn_flops / 2) * total_tokens
+  experts = c.experts_per_token if getattr(c, "num_experts", 0) else 1
+  gathered_elems = sum(math.prod(p.shape) / size(
+      {ax for dd in (_spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else [])
+       for ax in dd if mesh[ax] > 1} - batch_axes) for p in params)
+  shape = cost_model.StepShape(
+      rows=rows_mb, seq_q=seq_q, seq_k=seq_len, embed=d, heads=heads, kv_heads=kv,
+      head_dim=hd, mlp=mlp * experts, vocab=vocab, layers=local_layers, microbatches=k,
+      act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
+      gathered_params=gathered_elems, remat=remat, attention=impl)
+  terms = cost_model.step_terms(shape, chip)
+  m = getattr(c, "pipeline_microbatches", 0) or p_stages
+  r = getattr(c, "pipeline_repeats", 1)
+  bubble = (r * m + p_stages - 1) / (r * m) if p_stages > 1 else 1.0
+  serial = tuple(ax for ax in mesh if ax in set(tensor) | set(seq) | set(stages))
+  return Estimate(memory, flops, model_flops, hbm, comm_bytes, comm_b, comm_t, shape, terms,
+                  bubble, attention_temp, serial)
+
+
+def _layer_axes(rules, amesh, num_layers: int) -> tuple[str, ...]:
+  """The mesh axes (size > 1) a stacked ``layers`` dimension is split over (pipeline
+  stages), ``()`` when the rules keep the layers whole."""
+  dims = _spec_axes(rules.spec(("layers",), (num_layers,), amesh))
+  return tuple(ax for d in dims for ax in d if amesh.shape[ax] > 1)
+
+
+def _param_itemsize(params: Sequence[ParamShape]) -> int:
+  """The parameters' bytes per element (the largest matrix's)."""
+  big = max(params, key=lambda p: math.prod(p.shape), default=None)
+  return big.itemsize if big else 4
+
+
+def _elements(local_bytes: float, params: Sequence[ParamShape]) -> float:
+  return local_bytes / _param_itemsize(params)
+
+
+def _score_bytes(remat: str, impl: str, a: int) -> tuple[float, float]:
+  """(bytes per attention score element saved for the backward per block, bytes per score
+  of one block's backward working set). XLA's materialised softmax (``layers``' attention)
+  saves the broadcast mask (1 B), the fp32 probabilities (4 B) and the compute-dtype
+  weights (``a``) under ``none``, the logits (``a``) under ``dots``; a block's backward
+  holds fp32 probability and logit gradients and the weights' gradient (``8 + a``), plus
+  the recomputed forward's ``5 + a`` when the policy reruns it. Fused and blockwise
+  kernels keep no scores (a log-sum-exp per row, negligible)."""
+  if impl != "xla":
+    return 0.0, 0.0
+  backward = 8.0 + a
+  if remat == "none":
+    return 1.0 + 4.0 + a, backward
+  saved = a if remat == "dots" else 0.0
+  return saved, backward + (0.0 if remat == "dots" else 5.0 + a)
 
 
 def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
@@ -236,15 +325,26 @@ def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
 
 
 def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: float,
-                           mlp: float, seq_len: int) -> tuple[float, float]:
-  """(elements saved per token per layer, elements live once for the recomputed block)."""
-  scores = heads * seq_len
-  no_batch = heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d
-  dots = no_batch + scores
-  none = dots + 4 * d + mlp + scores
-  if remat in ("full", "nothing_saveable"):
-    return d, none
-  return {"dots": (dots, 0.0), "dots_no_batch": (no_batch, scores)}.get(remat, (none, 0.0))
+                           mlp: float, a: int) -> tuple[float, float]:
+  """(bytes saved per token per block for the backward, bytes live once for the block the
+  backward recomputes), from what ``layers``' block keeps (scores apart, :func:`_score_bytes`):
+
+  * ``none``: both RMSNorms' fp32 input and normalised output (``16 D``), every matmul's
+    input (``D`` for QKV, ``H d_head`` for the output projection, ``D`` for the MLP in,
+    ``F`` for the MLP out), queries, keys and values, and SwiGLU's gate, up and
+    ``silu(gate)`` (``3 F``);
+  * ``dots`` / ``dots_no_batch`` and MaxText's projection-saving policies: the dot outputs
+    (QKV, the attention output, both output projections, the MLP's two up-projections)
+    and the block input;
+  * ``full`` / ``nothing_saveable``: the block input, and one block's ``none`` set while its
+    backward runs.
+  """
+  none = 16 * d + a * (2 * d + 2 * heads * hd + 2 * kv * hd + 4 * mlp)
+  dots = a * (heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d)
+  redo = cost_model.RECOMPUTE.get(remat, ((), False, False))[0]
+  if remat in ("full", "nothing_saveable") or redo == cost_model.RERUN:
+    return a * d, none
+  return (none, 0.0) if remat == "none" else (dots, 0.0)
 
 
 def _itemsize(dtype) -> int:

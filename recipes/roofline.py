@@ -113,16 +113,24 @@ def wire_seconds(axes: tuple[str, ...], wire: float, mesh: Mapping[str, int],
 
 @dataclasses.dataclass(frozen=True)
 class StepTime:
-  """The roofline of one step.
+  """The predicted time of one step.
 
   Attributes:
-    compute_s, memory_s, comm_s: per phase (``forward``, ``backward``) seconds.
+    compute_s, memory_s, comm_s: per phase (``forward``, ``backward``) seconds: the compute
+      (calibrated: every op class of :mod:`recipes.cost_model`; bound: FLOPs at peak), the
+      HBM bound, and the collectives.
     comm_by_axes: per phase, per mesh-axis group (``'data,fsdp'``), seconds.
-    step_s: sum over phases of the phase's longest term.
-    bound: ``'compute'``, ``'memory'`` or ``'communication'``: what limits the phase that
-      is not compute-bound (communication wins when any phase is communication-bound).
+    step_s: the predicted step (calibrated when ``terms`` were given, else the bound).
+    bound: what limits the step: ``'compute'`` (matmuls and attention), ``'HBM'`` (the
+      memory-bound ops; ``'memory'`` in the bare roofline), ``'overhead'`` (per-op
+      latency) or ``'communication'`` (some phase's collectives outlast its compute).
     bound_axes: for communication, the axis group taking longest in the worst phase.
     mfu: model FLOPs / (devices x peak x step time).
+    terms: per phase, seconds per op class (``{}`` for the bare roofline).
+    roofline_s: the bare roofline (datasheet peaks, perfect overlap): a lower bound.
+    bubble: the pipeline's factor on the step.
+    band: the relative uncertainty of ``step_s`` (the chip's calibration band; 0 for the
+      bare roofline, which is a bound, not a prediction).
   """
 
   compute_s: dict[str, float]
@@ -133,6 +141,10 @@ class StepTime:
   bound: str
   bound_axes: str
   mfu: float
+  terms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+  roofline_s: float = 0.0
+  bubble: float = 1.0
+  band: float = 0.0
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -140,17 +152,35 @@ class StepTime:
 
 def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
               comm_s: Mapping[str, Mapping[str, float]], chip: Chip, model_flops: float,
-              devices: int) -> StepTime:
-  """The roofline step time from per-device, per-phase figures.
+              devices: int, terms: Mapping[str, Mapping[str, float]] | None = None,
+              dcn_axes: frozenset[str] | set[str] = frozenset(),
+              serial_axes: frozenset[str] | set[str] | tuple = frozenset(), bubble: float = 1.0
+              ) -> StepTime:
+  """The step time from per-device, per-phase figures.
+
+  Without ``terms``: the bare roofline (each phase the longest of FLOPs at peak, HBM
+  bytes at full bandwidth and its collectives). With ``terms`` (seconds per op class,
+  :func:`recipes.cost_model.step_terms`): the calibrated prediction, in which a phase's
+  op classes run one after another (their sum is its compute), the FSDP and data-parallel
+  collectives over ICI / NVLink axes overlap that compute (asynchronous collectives, XLA's
+  latency-hiding scheduler: a layer's weights are gathered while the previous layer
+  computes), and two kinds do not and are added: those over an axis in ``dcn_axes`` (the
+  gradient all-reduce across nodes or slices waits for the backward; MaxText's A3 rows
+  drop 14-24 % from one node to several) and those over ``serial_axes`` (a tensor-parallel
+  all-reduce sits between two matmuls that need its result). The pipeline ``bubble``
+  multiplies the step.
 
   Args:
     flops: per phase, FLOPs one device executes.
     hbm_bytes: per phase, HBM bytes one device reads and writes.
     comm_s: per phase, per axis group, collective seconds (:func:`collective_seconds`).
     chip: the chip.
-    model_flops: the step's useful FLOPs over all devices (``6 P tokens`` + attention),
-      without rematerialisation, for MFU.
+    model_flops: the step's useful FLOPs over all devices, for MFU.
     devices: number of chips.
+    terms: per phase, per op class, seconds (calibrated model) or ``None``.
+    dcn_axes: mesh axes that span hosts (their collectives are not hidden).
+    serial_axes: mesh axes whose collectives are on the critical path (not hidden).
+    bubble: the pipeline's factor ``(r m + p - 1) / (r m)``.
 
   >>> from recipes.chips import get_chip
   >>> t = step_time(flops={'forward': 1e12, 'backward': 2e12},
@@ -160,17 +190,37 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
   >>> t.bound, t.bound_axes, round(t.step_s * 1e3, 3)   # 2.179 ms + 10 ms
   ('communication', 'data', 12.179)
   """
-  compute = {p: flops.get(p, 0.0) / chip.bf16_flops for p in PHASES}
+  peak = {p: flops.get(p, 0.0) / chip.bf16_flops for p in PHASES}
   memory = {p: hbm_bytes.get(p, 0.0) / chip.hbm_bandwidth for p in PHASES}
   by_axes = {p: {k: float(v) for k, v in comm_s.get(p, {}).items() if v > 0} for p in PHASES}
   comm = {p: sum(by_axes[p].values()) for p in PHASES}
-  step = sum(max(compute[p], memory[p], comm[p]) for p in PHASES)
+  roof = sum(max(peak[p], memory[p], comm[p]) for p in PHASES)
+  if terms is None:
+    compute, step, band = peak, roof, 0.0
+  else:
+    compute = {p: sum(terms.get(p, {}).values()) for p in PHASES}
+    frac = chip.cal.serial_exposed if chip.cal else 1.0
+    exposed = {p: sum(v if set(k.split(",")) & set(dcn_axes) else
+                      frac * v if set(k.split(",")) & set(serial_axes) else 0.0
+                      for k, v in by_axes[p].items()) for p in PHASES}
+    hidden = {p: comm[p] - exposed[p] for p in PHASES}
+    step = bubble * sum(max(compute[p], hidden[p]) + exposed[p] for p in PHASES)
+    band = chip.cal.band if chip.cal else 0.0
   bound, axes, worst = "compute", "", 0.0
   for p in PHASES:
-    if comm[p] > max(compute[p], memory[p]) and comm[p] - compute[p] > worst:
+    busy = compute[p] if terms is not None else max(compute[p], memory[p])
+    if comm[p] > busy and comm[p] - compute[p] > worst:
       worst = comm[p] - compute[p]
       bound, axes = "communication", max(by_axes[p], key=by_axes[p].get)
-  if bound == "compute" and any(memory[p] > compute[p] for p in PHASES):
-    bound = "memory"
+  if bound == "compute":
+    if terms is not None:
+      from recipes.cost_model import bound_of
+      total = {n: sum(terms.get(p, {}).get(n, 0.0) for p in PHASES)
+               for p0 in PHASES for n in terms.get(p0, {})}
+      bound = bound_of(total)
+    elif any(memory[p] > compute[p] for p in PHASES):
+      bound = "memory"
   mfu = model_flops / (devices * chip.bf16_flops * step) if step > 0 else 0.0
-  return StepTime(compute, memory, comm, by_axes, step, bound, axes, mfu)
+  return StepTime(compute, memory, comm, by_axes, step, bound, axes, mfu,
+                  {p: dict(terms.get(p, {})) for p in PHASES} if terms is not None else {},
+                  roof, bubble, band)

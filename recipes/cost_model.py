@@ -1,0 +1,318 @@
+"""What one train step is made of, op class by op class, at the rates a chip really reaches.
+
+:mod:`recipes.roofline` is the bound (every FLOP at the datasheet peak, every byte at the
+datasheet bandwidth); this module is the prediction. Per device and per micro-batch it walks
+one decoder block and the head, and prices each op class by how it runs:
+
+* **matmuls** (QKV, output, MLP in / out, logits) one by one, each at
+  ``max(2MKN / (eta_mm peak), (MK + KN + MN) a / (eta_hbm HBM))``: the chip's calibrated
+  matmul efficiency (never the datasheet peak) unless the matmul is too thin to feed it (a
+  small micro-batch ``M`` or a tensor-parallel shard ``N``), when its bytes bind. The
+  backward runs two matmuls of the same shape per forward one.
+* **attention** by the implementation that runs (:func:`resolve_attention`): ``xla``
+  materialises the ``[B, H, s, s]`` scores (both triangles computed, softmax, casts and
+  their backward cost ``xla_score_bytes`` of HBM traffic per score element); ``cudnn`` /
+  ``pallas`` are fused kernels that skip the masked half and never write the scores, at
+  ``fused_attention_fraction x s / (s + fused_attention_s0)`` of peak (short sequences
+  keep the kernel's tiles idle); ``blockwise`` is an online-softmax ``lax.scan`` (no
+  skipping, its forward recomputed in the backward, ``blockwise_score_bytes`` per score).
+* **memory-bound work** at ``eta_hbm x HBM``: RMSNorms, residual adds, RoPE, the SwiGLU
+  product and the dtype casts (element counts per token in :func:`_elementwise_elems`), the
+  fp32 logits, softmax cross-entropy and their gradient over the local vocabulary, the
+  weight casts and gradient writes, and the AdamW update (read p, g, m, v; write p, m, v).
+* **remat's recompute**: what each policy recomputes in the backward (:data:`RECOMPUTE`).
+* on a TPU (``fused_elementwise``) the elementwise ops and weight casts run inside the
+  matmuls' fusions, under the MXU's time: only what exceeds a phase's matmul time counts.
+* **per-op overhead**: ``op_overhead_s`` per kernel (launch and ramp; :data:`OPS_PER_LAYER`
+  kernels per block and micro-batch), which is what small micro-batches and many layers pay.
+
+The pipeline bubble and the collectives are combined in :func:`recipes.roofline.step_time`.
+Every coefficient is a field of :class:`recipes.chips.Calibration` with its source.
+
+>>> from recipes.chips import get_chip
+>>> resolve_attention('auto', get_chip('h200'), 'bfloat16', head_dim=128)
+'cudnn'
+>>> resolve_attention('auto', get_chip('v5p'), 'bfloat16', head_dim=128)
+'pallas'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from recipes.chips import Chip
+
+ATTENTIONS = ("auto", "xla", "cudnn", "pallas", "blockwise")
+FUSED = ("cudnn", "pallas")
+
+# What each remat policy recomputes in the backward: the block's matmuls (by name), the
+# attention core, and the memory-bound ops. Ours (layers.REMAT_POLICIES) and, for the
+# calibration rows, MaxText's names (`remat_policy` of MaxText's base.yml).
+# A block rerun from its input recomputes QKV, the output projection and the MLP's input
+# projection; the MLP's output projection only feeds the residual sum, whose gradient needs
+# no values, so XLA drops its recompute as dead code.
+MATMULS = ("qkv", "out", "mlp_in", "mlp_out")
+RERUN = ("qkv", "out", "mlp_in")
+RECOMPUTE: dict[str, tuple[tuple[str, ...], bool | None, bool]] = {
+    "none": ((), False, False),
+    # checkpoint_dots saves every dot output; a fused kernel is a custom call, not a dot,
+    # so its forward reruns (decided per implementation in _recomputes_attention).
+    "dots": ((), None, True),
+    "dots_no_batch": ((), True, True),     # the attention einsums have batch dims
+    "full": (RERUN, True, True),
+    "nothing_saveable": (RERUN, True, True),
+    # MaxText's remat_policy names, for the calibration rows (MaxText's layers.py / base.yml)
+    "minimal": ((), True, True),                  # every projection saved, attention reruns
+    "minimal_with_context": ((), False, True),    # ... and the attention output saved
+    "save_dot_except_mlpwi": (("mlp_in",), True, True),
+    "save_qkv_out": (("mlp_in",), True, True),    # custom: q, k, v, out saved (offloaded)
+    "save_qkv": (("out", "mlp_in"), True, True),  # custom: q, k, v saved
+    "qkv_proj_offloaded": (("out", "mlp_in"), True, True),
+}
+# kernels per block, per micro-batch: forward (norms, QKV, RoPE, attention, output, adds,
+# MLP in, SwiGLU, MLP out) and backward (about twice as many); xla attention adds its
+# softmax, mask and cast kernels.
+OPS_PER_LAYER = {"forward": 12, "backward": 24}
+XLA_ATTENTION_OPS = {"forward": 4, "backward": 8}
+
+
+def resolve_attention(attention: str, chip: Chip, dtype, head_dim: int) -> str:
+  """The attention implementation ``'auto'`` stands for on ``chip`` (as
+  ``TransformerConfig.attention='auto'`` dispatches): cuDNN's fused kernel on an NVIDIA GPU
+  for bf16/fp16 with ``head_dim % 8 == 0`` and ``<= 256``, the Pallas (splash/flash) kernel
+  on a TPU, else XLA's. Other names are returned checked.
+
+  Raises:
+    ValueError: an unknown name.
+  """
+  if attention not in ATTENTIONS:
+    raise ValueError(f"attention={attention!r} is not an attention implementation; use one "
+                     f"of {', '.join(ATTENTIONS)} (model.attention=... or --attention).")
+  if attention != "auto":
+    return attention
+  half = str(dtype) in ("bfloat16", "float16", "<class 'jax.numpy.bfloat16'>") or \
+      getattr(dtype, "__name__", "") in ("bfloat16", "float16")
+  if chip.kind == "gpu":
+    return "cudnn" if half and head_dim % 8 == 0 and head_dim <= 256 else "xla"
+  if chip.kind == "tpu":
+    return "pallas"
+  return "xla"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShape:
+  """One device's share of a step, the shapes the cost model prices.
+
+  Attributes:
+    rows, seq_q, seq_k: sequences per micro-batch on this device, query positions per
+      sequence on this device, key positions each query sees (the full length).
+    embed, heads, kv_heads, head_dim, mlp, vocab: widths on this device (after tensor
+      parallelism; ``embed`` is never split by the presets).
+    layers: decoder blocks this device runs (``L / stages``).
+    microbatches: ``k``.
+    act_bytes, param_bytes: bytes per activation / parameter element.
+    local_params: parameter elements held by this device (for the optimizer).
+    gathered_params: parameter elements this device multiplies per pass (after FSDP gathers).
+    remat, attention: the policy and the resolved implementation.
+    causal: the mask is causal (fused kernels skip its masked half).
+  """
+
+  rows: float
+  seq_q: float
+  seq_k: float
+  embed: float
+  heads: float
+  kv_heads: float
+  head_dim: float
+  mlp: float
+  vocab: float
+  layers: float
+  microbatches: int
+  act_bytes: int
+  param_bytes: int
+  local_params: float
+  gathered_params: float
+  remat: str
+  attention: str
+  causal: bool = True
+
+  @property
+  def tokens(self) -> float:
+    return self.rows * self.seq_q
+
+
+def matmul_efficiency(m: float, k: float, n: float, chip: Chip) -> float:
+  """The fraction of peak a ``[m, k] @ [k, n]`` reaches: the chip's large-matmul
+  efficiency, lowered for a weight whose smaller dimension ``d = min(k, n)`` (a thin
+  shard, a narrow model) is under the reference size the efficiency was measured at
+  (``d / (d + knee)`` relative to the reference's: fewer tiles per wave, a larger share of
+  prologue and epilogue). A small ``m`` (few tokens per micro-batch) is priced by its
+  bytes instead (:func:`matmul_seconds`). ``knee = 0``: no shape effect (the TPU rows,
+  whose MXU tiles are 128 or 256 wide, show none).
+
+  >>> from recipes.chips import get_chip
+  >>> h200 = get_chip('h200')
+  >>> matmul_efficiency(8192, 8192, 8192, h200) == h200.cal.matmul_efficiency
+  True
+  >>> matmul_efficiency(8192, 2048, 2048, h200) < h200.cal.matmul_efficiency
+  True
+  """
+  c = chip.cal
+  if c.matmul_knee <= 0:
+    return c.matmul_efficiency
+  ref, dmin = c.matmul_reference_dim, min(k, n)
+  rel = (dmin / (dmin + c.matmul_knee)) / (ref / (ref + c.matmul_knee))
+  return c.matmul_efficiency * min(1.0, rel)
+
+
+def matmul_seconds(m: float, k: float, n: float, a: int, chip: Chip) -> float:
+  """One ``[m, k] @ [k, n]`` at the chip's calibrated rates: its FLOPs at
+  :func:`matmul_efficiency` or, for a thin one, its operand and result bytes at
+  ``eta_hbm`` (whichever is longer).
+
+  >>> from recipes.chips import get_chip
+  >>> h200 = get_chip('h200')
+  >>> round(matmul_seconds(8192, 8192, 8192, 2, h200) * 1e3, 3)   # 1.1 TFLOP at 791 TFLOP/s
+  1.39
+  """
+  c = chip.cal
+  flops = 2 * m * k * n / (matmul_efficiency(m, k, n, chip) * chip.bf16_flops)
+  traffic = (m * k + k * n + m * n) * a / (c.hbm_efficiency * chip.hbm_bandwidth)
+  return max(flops, traffic)
+
+
+def _block_matmuls(s: StepShape) -> dict[str, tuple[float, float]]:
+  """The block's matmuls as ``name -> (K, N)`` (``M`` is the tokens)."""
+  d, hd = s.embed, s.head_dim
+  return {"qkv": (d, (s.heads + 2 * s.kv_heads) * hd), "out": (s.heads * hd, d),
+          "mlp_in": (d, 2 * s.mlp), "mlp_out": (s.mlp, d)}
+
+
+def _recomputes_attention(s: StepShape) -> bool:
+  _, attn, _ = RECOMPUTE[s.remat]
+  if attn is None:   # "dots": the xla einsums are dots and saved, a fused kernel reruns
+    return s.attention != "xla"
+  return attn
+
+
+def attention_seconds(s: StepShape, chip: Chip) -> dict[str, float]:
+  """Per phase, one block's attention core for one micro-batch (no recompute)."""
+  c = chip.cal
+  scores = s.rows * s.heads * s.seq_q * s.seq_k
+  full = 4 * scores * s.head_dim                      # QK^T and PV, both triangles
+  hbm = c.hbm_efficiency * chip.hbm_bandwidth
+  if s.attention in FUSED:
+    frac = 0.5 if s.causal else 1.0
+    rate = c.fused_attention_fraction * chip.bf16_flops * s.seq_k / (
+        s.seq_k + c.fused_attention_s0)
+    fwd = full * frac / rate
+    return {"forward": fwd, "backward": 2.5 * fwd}     # FlashAttention-2's backward
+  mm = full / (c.matmul_efficiency * chip.bf16_flops)   # one pass of QK^T and PV
+  if s.attention == "blockwise":   # checkpointed scan: the backward reruns the forward
+    mem = c.blockwise_score_bytes * scores / hbm
+    return {"forward": mm + mem / 4, "backward": 3 * mm + 3 * mem / 4}
+  mem = c.xla_score_bytes * scores / hbm
+  return {"forward": mm + mem / 3, "backward": 2 * mm + 2 * mem / 3}
+
+
+def _elementwise_elems(s: StepShape) -> float:
+  """Elements one block's forward reads and writes per token outside matmuls and attention:
+  two RMSNorms (read, write D each, in and out of fp32), two residual adds (read 2D, write D),
+  RoPE on queries and keys (read, write), SwiGLU (read 2F, write F)."""
+  d = s.embed
+  return 4 * d + 6 * d + 2 * (s.heads + s.kv_heads) * s.head_dim + 3 * s.mlp
+
+
+def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
+  """Per phase (``forward``, ``backward``; the optimizer update is in the backward), seconds
+  per op class for the whole step on one device (``k`` micro-batches, before the bubble).
+
+  >>> from recipes.chips import get_chip
+  >>> s = StepShape(rows=4, seq_q=2048, seq_k=2048, embed=2048, heads=16, kv_heads=8,
+  ...               head_dim=128, mlp=8192, vocab=32768, layers=16, microbatches=1,
+  ...               act_bytes=2, param_bytes=4, local_params=1.07e9, gathered_params=1.07e9,
+  ...               remat='none', attention='cudnn')
+  >>> t = step_terms(s, get_chip('h200'))
+  >>> sorted(t['backward'])
+  ['attention', 'elementwise', 'logits', 'matmul', 'optimizer', 'overhead', 'weights']
+  """
+  c, k, L, a, T = chip.cal, s.microbatches, s.layers, s.act_bytes, s.tokens
+  hbm = c.hbm_efficiency * chip.hbm_bandwidth
+  redo, _, redo_elementwise = RECOMPUTE[s.remat]
+  mm = {name: matmul_seconds(T, kk, n, a, chip) for name, (kk, n) in _block_matmuls(s).items()}
+  head = matmul_seconds(T, s.embed, s.vocab, a, chip)
+  attn = attention_seconds(s, chip)
+  elem = _elementwise_elems(s) * T * a / hbm
+  ops = {p: OPS_PER_LAYER[p] + (XLA_ATTENTION_OPS[p] if s.attention == "xla" else 0)
+         for p in OPS_PER_LAYER}
+  recompute_mm = sum(mm[n] for n in redo)
+  recompute_attn = attn["forward"] if _recomputes_attention(s) else 0.0
+  terms = {
+      "forward": {
+          "matmul": k * (L * sum(mm.values()) + head),
+          "attention": k * L * attn["forward"],
+          "elementwise": k * L * elem,
+          # fp32 logits written, read twice (max/logsumexp, the target's logit)
+          "logits": k * T * s.vocab * 4 * 3 / hbm,
+          "weights": k * s.gathered_params * (s.param_bytes + a) / hbm,   # the casts
+          "overhead": k * L * ops["forward"] * c.op_overhead_s,
+      },
+      "backward": {
+          "matmul": k * (L * (2 * sum(mm.values()) + recompute_mm) + 2 * head),
+          "attention": k * L * (attn["backward"] + recompute_attn),
+          "elementwise": k * L * elem * (2 + (1 if redo_elementwise else 0)),
+          "logits": k * T * s.vocab * (4 * 2 + a) / hbm,   # softmax - onehot, cast
+          "weights": k * s.gathered_params * 2 * s.param_bytes / hbm,   # gradient writes
+          "optimizer": s.local_params * s.param_bytes * (7 + (2 * k if k > 1 else 0)) / hbm,
+          "overhead": (k * L * (ops["backward"] + (ops["forward"] if redo_elementwise else 0))
+                       * c.op_overhead_s),
+      },
+  }
+  if c.fused_elementwise:   # XLA:TPU fuses them into the matmuls' operand and output reads
+    for t in terms.values():
+      hidden = min(t["elementwise"] + t["weights"], t["matmul"])
+      share = hidden / max(t["elementwise"] + t["weights"], 1e-30)
+      t["elementwise"] *= 1 - share
+      t["weights"] *= 1 - share
+  return terms
+
+
+def executed_flops(s: StepShape) -> float:
+  """FLOPs one device executes in a step (matmuls, attention as implemented, recompute)."""
+  k, L, T = s.microbatches, s.layers, s.tokens
+  mms = {n: 2 * T * kk * nn for n, (kk, nn) in _block_matmuls(s).items()}
+  head = 2 * T * s.embed * s.vocab
+  scores = s.rows * s.heads * s.seq_q * s.seq_k
+  attn = 4 * scores * s.head_dim * (0.5 if s.attention in FUSED and s.causal else 1.0)
+  redo, _, _ = RECOMPUTE[s.remat]
+  layer = 3 * sum(mms.values()) + sum(mms[n] for n in redo) + 3 * attn + (
+      attn if _recomputes_attention(s) else 0.0)
+  return k * (L * layer + 3 * head)
+
+
+def model_flops_per_token(embed: int, heads: int, kv_heads: int, head_dim: int, mlp: int,
+                          vocab: int, layers: int, seq_len: int, causal: bool = True,
+                          experts_per_token: int = 1) -> float:
+  """Useful training FLOPs per token (forward + backward, no recompute): ``6 x`` the matmul
+  parameters a token passes (the blocks and the logits, not the embedding lookup) plus
+  attention's ``12 s H d_head`` per block, halved for a causal mask (only the unmasked
+  half is useful; MaxText's convention since its PR #1988).
+
+  >>> round(model_flops_per_token(4096, 32, 32, 128, 11008, 32000, 32, 4096) / 1e9, 2)
+  42.02
+  """
+  per_layer = embed * (heads + 2 * kv_heads) * head_dim + heads * head_dim * embed + \
+      3 * embed * mlp * experts_per_token
+  attn = 12 * seq_len * heads * head_dim * (0.5 if causal else 1.0)
+  return 6 * (layers * per_layer + embed * vocab) + layers * attn
+
+
+def bound_of(terms: dict[str, float]) -> str:
+  """Which op class takes longest in one phase's compute: ``compute`` (matmuls, attention),
+  ``HBM`` (memory-bound ops) or ``overhead`` (per-op latency)."""
+  groups = {"compute": terms.get("matmul", 0.0) + terms.get("attention", 0.0),
+            "HBM": sum(v for n, v in terms.items()
+                       if n in ("elementwise", "logits", "weights", "optimizer")),
+            "overhead": terms.get("overhead", 0.0)}
+  return max(groups, key=groups.get)
+
