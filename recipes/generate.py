@@ -105,7 +105,7 @@ def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
   for the run's mesh afterwards."""
   from recipes.config import load_config
   from recipes.export import checkpoint_dir
-  directory = checkpoint_dir(path)
+  directory = checkpoint_dir(path).resolve()   # orbax restores from absolute paths only
   steps = _step_dirs(directory)
   if not steps:
     raise GenerateArgumentError(f"--checkpoint {path!r} holds no checkpoint steps. Train "

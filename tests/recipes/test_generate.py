@@ -140,9 +140,11 @@ def test_run_checkpoint_digits_and_ids_equal_greedy_reference(tiny_run, capsys):
 
 
 @pytest.mark.slow
-def test_default_recipe_reverses_the_readme_example(tmp_path, capsys):
-  assert train.main([f"out_dir={tmp_path}", "plot=false"]) == 0
+def test_default_recipe_reverses_the_readme_example(tmp_path, capsys, monkeypatch):
+  # as the README runs it: a run directory relative to the working directory
+  monkeypatch.chdir(tmp_path)
+  assert train.main(["out_dir=runs/default", "plot=false"]) == 0
   capsys.readouterr()
-  rc, out, err = run_cli(capsys, ["--checkpoint", str(tmp_path), "--prompt", "31415926"])
+  rc, out, err = run_cli(capsys, ["--checkpoint", "runs/default", "--prompt", "31415926"])
   assert rc == 0, err
   assert "-> 62951413" in out
