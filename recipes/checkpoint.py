@@ -36,6 +36,22 @@ def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:
   return {path_of(path): None if a is None else list(a) for (path, _), a in zip(flat, per_leaf)}
 
 
+def restore_target(tree: Any, axes: dict[str, list | None], rules: Any, mesh: Any,
+                   prefix: str = "") -> Any:
+  """Abstract arrays for restoring the checkpointed ``tree`` (orbax metadata) into shards:
+  each leaf placed on ``mesh`` by ``rules`` from its logical axes (``axes``, keyed by
+  ``prefix + path``, as :func:`axes_by_path` records them); leaves without axes replicated."""
+  def target(path, leaf):
+    logical = axes.get(prefix + path_of(path))
+    spec = (rules.spec(tuple(logical), tuple(leaf.shape), mesh) if logical
+            else PartitionSpec())
+    return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype),
+                                sharding=NamedSharding(mesh, spec))
+
+  return jax.tree_util.tree_map_with_path(
+      target, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+
+
 class Checkpointer:
   """Periodic, asynchronous orbax checkpoints under ``directory``.
 
@@ -105,18 +121,8 @@ class Checkpointer:
     meta = self.meta(step)
     if rules is None:
       rules = partition.AxisRules.from_dict(meta["rules"])
-    tree = self.manager.item_metadata(step)["state"].tree
-    axes = meta["logical_axes"]
-
-    def target(path, leaf):
-      logical = axes.get(path_of(path))
-      spec = (rules.spec(tuple(logical), tuple(leaf.shape), mesh) if logical
-              else PartitionSpec())
-      return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype),
-                                  sharding=NamedSharding(mesh, spec))
-
-    abstract = jax.tree_util.tree_map_with_path(
-        target, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    abstract = restore_target(self.manager.item_metadata(step)["state"].tree,
+                              meta["logical_axes"], rules, mesh)
     state = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract)))["state"]
     return state, meta

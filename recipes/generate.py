@@ -239,28 +239,14 @@ def parse_ids(text: str) -> list[int]:
 def restore_params(source: Source, rules, mesh) -> Any:
   """The run's params restored straight into their shards on ``mesh`` (nothing else of
   the train state is read)."""
-  import jax
-  import numpy as np
   import orbax.checkpoint as ocp
-  from jax.sharding import NamedSharding, PartitionSpec
 
-  from partition import path_str
-  from recipes.checkpoint import Checkpointer
+  from recipes.checkpoint import Checkpointer, restore_target
 
   ckpt = Checkpointer(source.checkpoint)
   try:
-    tree = ckpt.manager.item_metadata(source.step)["state"].tree["params"]
-    axes = source.meta["logical_axes"]
-
-    def target(path, leaf):
-      logical = axes.get("params/" + path_str(path))
-      spec = (rules.spec(tuple(logical), tuple(leaf.shape), mesh) if logical
-              else PartitionSpec())
-      return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype),
-                                  sharding=NamedSharding(mesh, spec))
-
-    abstract = jax.tree_util.tree_map_with_path(
-        target, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    abstract = restore_target(ckpt.manager.item_metadata(source.step)["state"].tree["params"],
+                              source.meta["logical_axes"], rules, mesh, prefix="params/")
   finally:
     ckpt.close()
   item = {"params": abstract}
