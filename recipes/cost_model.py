@@ -299,7 +299,7 @@ def model_flops_per_token(embed: int, heads: int, kv_heads: int, head_dim: int, 
   half is useful; MaxText's convention since its PR #1988).
 
   >>> round(model_flops_per_token(4096, 32, 32, 128, 11008, 32000, 32, 4096) / 1e9, 2)
-  42.02
+  42.86
   """
   per_layer = embed * (heads + 2 * kv_heads) * head_dim + heads * head_dim * embed + \
       3 * embed * mlp * experts_per_token
