@@ -508,7 +508,9 @@ def _blockwise_bwd(causal, size, residuals, dout):
   dq, (dk, dv) = jax.lax.scan(step, dq0,
                               (jnp.arange(n), kb, vb, kv_parts))
   unblock = lambda a: jnp.moveaxis(a, 0, 1).reshape(b, n * size, kv_heads, d)[:, :k.shape[1]]
-  dq = (dq / math.sqrt(d)).reshape(q.shape).astype(q.dtype)
+  # the forward's scale exactly (sqrt(d) rounded to q's dtype, as _grouped_q divides), so
+  # this is the gradient of the function the forward computed, in bf16 too
+  dq = (dq / jnp.sqrt(d).astype(q.dtype).astype(jnp.float32)).reshape(q.shape).astype(q.dtype)
   zeros = jax.tree.map(_zero_cotangent, (parts, q_offset))
   return (dq, unblock(dk).astype(k.dtype), unblock(dv).astype(v.dtype), *zeros)
 

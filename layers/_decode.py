@@ -35,6 +35,7 @@ update is constrained to the same axes, and the decode loop donates it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -481,9 +482,16 @@ def generate(params: Params, config: TransformerConfig, prompts: Sequence[Sequen
   mesh = partition.current_rules_mesh() if mesh is None else mesh
   batch, width = tokens.shape
   cache_length = min(config.max_len, width + sampling.max_new_tokens)
-  run = Programs(config, sampling, batch=batch, prompt_length=width,
-                 cache_length=cache_length, rules=rules, mesh=mesh, pad_id=pad_id)
+  run = _programs(config, sampling, batch, width, cache_length, rules, mesh, pad_id)
   return run(params, tokens, lengths)
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(config, sampling, batch, width, cache_length, rules, mesh, pad_id) -> Programs:
+  """One :class:`Programs` per shape and setting, so calling :func:`generate` again (a
+  chat loop, a batch of requests) reuses its compiled prefill and loop."""
+  return Programs(config, sampling, batch=batch, prompt_length=width,
+                  cache_length=cache_length, rules=rules, mesh=mesh, pad_id=pad_id)
 
 
 class Programs:
@@ -496,6 +504,7 @@ class Programs:
     self.config, self.sampling, self.pad_id = config, sampling, pad_id
     self.batch, self.prompt_length, self.cache_length = batch, prompt_length, cache_length
     self.rules, self.mesh = rules, mesh
+    self._executables: dict[Any, tuple] = {}
     placed = rules is not None and mesh is not None
 
     def under_rules(f):
@@ -528,13 +537,7 @@ class Programs:
     # Compile both programs before timing either (the cache they compile against is
     # abstract: nothing is allocated for it).
     cache = self.new_cache()
-    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                          cache)
-    prefill = self.prefill.lower(params, tokens, lengths, shapes).compile()
-    logits_shape = jax.eval_shape(self.prefill, params, tokens, lengths, shapes)[0]
-    logits_shape = jax.ShapeDtypeStruct(logits_shape.shape, logits_shape.dtype,
-                                        sharding=prefill.output_shardings[0])
-    loop = self.loop.lower(params, shapes, logits_shape, lengths).compile()
+    prefill, loop = self._compiled(params, tokens, lengths, cache)
     start = time.perf_counter()
     logits, cache = prefill(params, tokens, lengths, cache)
     jax.block_until_ready(logits)
@@ -544,6 +547,22 @@ class Programs:
     end = time.perf_counter()
     return Generation(np.asarray(out), np.asarray(count), int(np.asarray(lengths).sum()),
                       middle - start, end - middle, int(steps))
+
+  def _compiled(self, params: Params, tokens: Array, lengths: Array, cache: Any) -> tuple:
+    """Both programs compiled for these inputs' shapes, dtypes and shardings, once."""
+    abstract = lambda tree: jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    leaves, treedef = jax.tree.flatten(abstract((params, tokens, lengths)))
+    key = (treedef, tuple((x.shape, x.dtype, x.sharding) for x in leaves))
+    if key not in self._executables:
+      shapes = abstract(cache)
+      prefill = self.prefill.lower(params, tokens, lengths, shapes).compile()
+      logits = prefill.out_info[0]   # no second trace for the logits' shape
+      logits = jax.ShapeDtypeStruct(logits.shape, logits.dtype,
+                                    sharding=prefill.output_shardings[0])
+      loop = self.loop.lower(params, shapes, logits, lengths).compile()
+      self._executables[key] = prefill, loop
+    return self._executables[key]
 
   def _placed(self, x: np.ndarray) -> Array:
     """``x`` (batch first) on the mesh, split over the batch's mesh axes like the cache."""
