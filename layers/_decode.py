@@ -157,10 +157,19 @@ def init_cache(config: TransformerConfig, batch: int, length: int, *, rules: Any
   >>> c.k.shape
   (2, 2, 16, 2, 8)
   """
+  # the context is read here, not in the cached maker: a maker is one rules/mesh's layout
+  rules = partition.current_rules() if rules is None else _as_rules(rules)
+  mesh = partition.current_rules_mesh() if mesh is None else mesh
+  return _cache_maker(config, batch, length, rules, mesh, dtype)()
+
+
+@functools.lru_cache(maxsize=32)
+def _cache_maker(config, batch, length, rules, mesh, dtype):
+  """The jitted zeros of one cache layout, built once (each generate call makes a cache)."""
   shapes = cache_shapes(config, batch, length, dtype)
   shardings = cache_shardings(config, batch, length, rules=rules, mesh=mesh, dtype=dtype)
   zeros = lambda: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-  return jax.jit(zeros, out_shardings=shardings)()
+  return jax.jit(zeros, out_shardings=shardings)
 
 
 def cache_bytes_per_device(config: TransformerConfig, batch: int, length: int, *,
