@@ -29,7 +29,7 @@ SLOW_NOTE = (
     "AxisRules.resolve builds a full Resolution (a reason string per dim and skipped rule) "
     "and re-validates the axes for every leaf, with no memo: the tree has 8 distinct axes "
     "tuples; memoising resolve on (rules, axes, shape, mesh) measured 0.95x flax "
-    "(requested in partition/_rules.py); absolute cost ~40 us/param, once per init")
+    "(requested in partition/_rules/table.py); absolute cost ~40 us/param, once per init")
 LAYER = {  # name: (logical axes, shape) of one block's parameters
     "query": (("embed", "heads", "head_dim"), (64, 4, 16)),
     "key": (("embed", "kv_heads", "head_dim"), (64, 2, 16)),

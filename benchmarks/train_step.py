@@ -52,7 +52,7 @@ K1_NOTE = (
     "quieter machine; value_and_grad keeps a size-1 micro-batch dim at k=1 (a vmap of size 1), "
     "which changes the HLO's layouts (4/24/39 more copies for data_parallel/fsdp/fsdp_tp, a "
     "pad of the embedding-gradient scatter indices); same collectives and memory. Fix "
-    "requested in partition/_grad.py: no micro-batch xmap when k=1")
+    "requested in partition/_training/grad.py: no micro-batch xmap when k=1")
 
 
 def config(quick: bool) -> layers.TransformerConfig:

@@ -1,7 +1,7 @@
 """What a run shows and leaves behind: progress (a bar or log lines), ``metrics.jsonl``,
 ``loss.png``, a summary.
 
-Every file is written atomically (``partition._io.atomic_write``): a crash never leaves a
+Every file is written atomically (``partition._base.io.atomic_write``): a crash never leaves a
 half-written metrics file or plot.
 """
 

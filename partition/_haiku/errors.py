@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import threading
 
-from partition._errors import PartitionError
-from partition._logical_axes import LogicalAxesError
-from partition._warnings import PartitionWarning
+from partition._base.errors import PartitionError
+from partition._base.logical_axes import LogicalAxesError
+from partition._rules.fallbacks import PartitionWarning
 
 Axes = tuple[str | None, ...]
 

@@ -11,14 +11,14 @@ import haiku as hk
 import jax
 import numpy as np
 
-from partition import _adapt
-from partition._errors import format_message
+from partition._params import adapt as _adapt
+from partition._base.errors import format_message
 from partition._haiku.errors import _PARAMS, _STATE, StaticArgError
 from partition._haiku.recording import _placing, _recording
 from partition._haiku.stacked import _axes_tree, _Matching, _stack_leads
 from partition._haiku.validation import _table, _validate
-from partition._logical_axes import LogicalAxesError
-from partition._path_rules import PathRulesError
+from partition._base.logical_axes import LogicalAxesError
+from partition._params.path_rules import PathRulesError
 
 # -- tracing the init --------------------------------------------------------------------------
 

@@ -10,10 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partition import _adapt
-from partition._errors import format_message
+from partition._params import adapt as _adapt
+from partition._base.errors import format_message
 from partition._haiku.errors import Axes, AxesTypeError, HaikuInputError
-from partition._path_rules import PathRules
+from partition._params.path_rules import PathRules
 
 # -- checking arguments ------------------------------------------------------------------------
 

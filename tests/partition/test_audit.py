@@ -1,4 +1,4 @@
-"""partition._audit.audit_placement: one strict error, one replicated warning."""
+"""partition._params.audit.audit_placement: one strict error, one replicated warning."""
 
 import warnings
 
@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from partition._audit import WARN_BYTES, audit_placement
+from partition._params.audit import WARN_BYTES, audit_placement
 
 
 def sds(*shape):

@@ -24,9 +24,9 @@ from partition_testlib import mesh_of
 
 import partition
 from partition import AxisRules, MeshError, ResourceError, RulesConfigError, RulesError, SerialLoop
-from partition._config import RulesConfigTypeError, RulesTypeError
-from partition._io import FileError, atomic_write, read_bytes
-from partition._rules import is_axes_leaf
+from partition._rules.config import RulesConfigTypeError, RulesTypeError
+from partition._base.io import FileError, atomic_write, read_bytes
+from partition._rules.table import is_axes_leaf
 
 DATA = pathlib.Path(__file__).parent / "data"
 RULES = AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"),
@@ -488,7 +488,7 @@ def _sections():
 def test_errors_md_documents_every_error_class():
   text, _, sections = _sections()
   defined = set()
-  for path in (ERRORS_MD.parents[1] / "partition").glob("*.py"):
+  for path in (ERRORS_MD.parents[1] / "partition").rglob("*.py"):
     defined |= set(re.findall(r"^class (\w+Error)\(", path.read_text(), re.M))
   assert defined and not [c for c in defined if f"{c}`" not in text]
   for name, _, _ in sections:

@@ -110,7 +110,7 @@ def test_short_axes_prefix_and_non_array_leaves():
 
 
 def test_human_bytes():
-  from partition._explain import human_bytes
+  from partition._rules.explain import human_bytes
 
   assert [human_bytes(n) for n in (0, 1023, 1024, 3 * 2**20, 2**40)] == [
       "0 B", "1023 B", "1.00 KiB", "3.00 MiB", "1024.00 GiB"]

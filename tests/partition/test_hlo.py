@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import partition
-from partition._hlo import HloParseError
+from partition._base.hlo import HloParseError
 
 AUTO = jax.sharding.AxisType.Auto
 

@@ -381,7 +381,7 @@ def test_docs_diagrams_are_the_plans():
 @pytest.mark.parametrize("stages", [2, 4, 8])
 @pytest.mark.parametrize("repeats", [2, 3, 4])
 def test_circular_relayout_rounds_are_partial_permutations_of_minimal_count(stages, repeats):
-  from partition._pipeline import _relayout_rounds
+  from partition._training.pipeline import _relayout_rounds
   rounds = _relayout_rounds(stages, repeats)
   # every chunk c = a r + b goes from its contiguous home a to stage c mod p, slot c // p
   want = sorted((a, (a * repeats + b) % stages, b, (a * repeats + b) // stages)

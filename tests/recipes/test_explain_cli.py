@@ -39,7 +39,7 @@ def _by_path(tree) -> dict:
 
 
 def explain_path(path) -> str:
-  from partition._logical_axes import path_str
+  from partition._base.logical_axes import path_str
   return path_str(path)
 
 

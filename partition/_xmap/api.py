@@ -1,0 +1,662 @@
+"""``partition.xmap``: run a function over named axes, placed on a mesh, loops, or vectors.
+
+Inside the mapped function, named dims are gone from the positional shapes and ``jax.lax``
+collectives (``psum``, ``pmean``, ``all_gather``, ``axis_index``, ``ppermute``, ...) refer to
+them by name, exactly as under ``jax.vmap(axis_name=...)``. ``axis_resources`` decides only
+*where* each axis is computed: vectorised (default), sharded over mesh axes, or split into
+sequential chunks by serial loops. It never changes the results.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> import partition
+  >>> def matvec(w, x):  # w is shared, x is one example: the 'batch' dim is gone
+  ...   return w @ x
+  >>> f = partition.xmap(matvec, in_axes=([...], ['batch', ...]), out_axes=['batch', ...])
+  >>> f(jnp.eye(3), jnp.ones((5, 3))).shape
+  (5, 3)
+
+  Gradient accumulation over 4 micro-batches, averaged over the batch:
+
+  >>> loss = lambda w, x: jnp.sum((x @ w) ** 2)
+  >>> g = partition.xmap(jax.grad(loss), in_axes=([...], ['batch', ...]),
+  ...                    out_axes=partition.Mean('batch'),
+  ...                    axis_resources={'batch': partition.SerialLoop(4)})
+  >>> g(jnp.ones((3, 2)), jnp.ones((8, 3))).shape
+  (3, 2)
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import re
+import threading
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from partition._base import mesh as _mesh
+from partition._xmap import placement as _placement
+from partition._rules import scope as _scope
+from partition._rules.context import current_rules
+from partition._base.errors import (
+  AxisNameError,
+  AxisSizeError,
+  LoopCollectiveError,
+  MeshError,
+  ResourceError,
+  SpecError,
+  did_you_mean,
+  format_message,
+  fun_name,
+  short,
+)
+from partition._xmap.layout import (
+  MapLayout,
+  build_layout,
+  check_cooccurrence,
+  check_divisible,
+  infer_sizes,
+  normalize_resources,
+)
+from partition._xmap.program import BodyTracer, merge_outputs, split_inputs
+from partition._base.resources import named_loops
+from partition._xmap.specs import (
+  AxisSpec,
+  Logical,
+  canonical_in_axes,
+  flatten_specs,
+  is_spec_leaf,
+  parse_specs,
+  placed,
+  spec_names,
+)
+
+
+def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
+         axis_sizes: Mapping[str, int] | None = None,
+         axis_resources: Any = None,
+         donate_argnums: int | Sequence[int] = (),
+         mesh: jax.sharding.Mesh | None = None) -> XMapped:
+  """Maps ``fun`` over named axes.
+
+  Args:
+    fun: the function to map; it sees its arguments with the named dims removed.
+    in_axes: a pytree prefix of the argument tuple. Each leaf is ``{dim: 'name'}``, a list of
+      names with ``None`` for unnamed dims (asserting the rank) optionally ending in ``...``,
+      or ``{}`` / ``[...]`` / ``None`` for no named dims.
+    out_axes: a pytree prefix of the outputs, with the same leaves as ``in_axes`` plus
+      ``partition.Sum(*names, axes=...)`` / ``partition.Mean(...)`` to reduce over axes.
+      An output that does not vary along a placed axis is broadcast; one that varies along
+      an axis it does not place is an error.
+    axis_sizes: sizes of axes (required for axes that no input carries; checked otherwise).
+    axis_resources: ``{axis: resources}`` where resources are a mesh axis, a tuple of mesh
+      axes, ``SerialLoop(n)``, a name bound by ``serial_loop(name, n)``, or a tuple mixing
+      them (mesh axes first); or an ``AxisRules`` table resolving the axis names.
+    donate_argnums: positional arguments whose buffers may be reused, as in ``jax.jit``.
+    mesh: the device mesh; defaults to the one set by ``jax.set_mesh``.
+
+  Returns:
+    A callable with the signature of ``fun`` taking and returning positional arrays, with
+    a ``.lower(*args)`` method returning ``jax.stages.Lowered``.
+
+  Raises:
+    SpecError, AxisNameError, AxisSizeError, ResourceError, MeshError, OutputAxesError:
+      (``TypeError`` / ``ValueError`` subclasses) naming the offending leaf and the fix.
+  """
+  return XMapped(fun, in_axes, out_axes, axis_sizes=axis_sizes, axis_resources=axis_resources,
+                 donate_argnums=donate_argnums, mesh=mesh)
+
+
+class XMapped:
+  """The result of :func:`xmap`: call it, or ``.lower(*args)`` it."""
+
+  def __init__(self, fun, in_axes, out_axes, *, axis_sizes, axis_resources, donate_argnums,
+               mesh):
+    if not callable(fun):
+      raise SpecError(f"xmap expects a callable as its first argument, got {fun!r}; "
+                      "pass the function to map, e.g. xmap(jnp.sin, ['i', ...], ['i', ...]).")
+    self._fun = fun
+    self._name = fun_name(fun)
+    if out_axes == ():
+      raise SpecError(f"xmap({self._name}): out_axes=() means no outputs; xmapped functions "
+                      "must return something.")
+    self._in_axes = canonical_in_axes(in_axes)
+    self._out_axes = out_axes
+    self._axis_sizes = _check_axis_sizes(axis_sizes, self._name)
+    self._axis_resources = axis_resources
+    self._donate = _check_donate(donate_argnums, self._name)
+    self._mesh = _mesh.current_mesh(mesh, f"xmap({self._name})") if mesh is not None else None
+    # Everything that depends on in_axes/out_axes alone is read once, here.
+    in_specs = parse_specs(self._in_axes, "in_axes")
+    self._in_names = _defined_names(in_specs, self._axis_sizes)
+    self._out_specs = parse_specs(out_axes, "out_axes")
+    self._out_names = {n for spec in self._out_specs for n in spec_names(spec)}
+    self._uses_logical = any(isinstance(placed(s).sharding, Logical)
+                             for s in in_specs + self._out_specs)
+    # Equal xmaps (same function, specs and resources) share compiled programs, so a fresh
+    # xmap(...) per step of a training loop does not re-trace.
+    self._cache = _shared_cache(
+        (fun, _specs_key(self._in_axes, in_specs), _specs_key(out_axes, self._out_specs),
+         tuple(sorted(self._axis_sizes.items())), _resources_key(axis_resources),
+         self._donate, mesh))
+    # updated=(): copying fun.__dict__ would clobber our state when fun is itself an XMapped.
+    functools.update_wrapper(self, fun, updated=())
+
+  def __repr__(self) -> str:
+    return (f"xmap({self._name}, in_axes={self._in_axes!r}, out_axes={self._out_axes!r}, "
+            f"axis_resources={self._axis_resources!r})")
+
+  def __call__(self, *args, **kwargs):
+    if kwargs:
+      raise SpecError(f"xmap({self._name}) takes positional arguments only (in_axes describes "
+                      f"them by position), got keywords {sorted(kwargs)}; pass them in order.")
+    jitted, targets = self._prepare(args)
+    return jitted(*_place(args, targets))
+
+  def lower(self, *args) -> jax.stages.Lowered:
+    """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``s)."""
+    jitted, targets = self._prepare(args)
+    return jitted.lower(*_place(args, targets))
+
+  # ------------------------------------------------------------------ planning
+
+  def _prepare(self, args):
+    # Hot path: one C++ flatten and a dict lookup; specs are re-read only on a miss.
+    try:
+      leaves, treedef = jax.tree_util.tree_flatten(args)
+    except ValueError as e:  # dict keys of mixed types cannot be sorted
+      raise SpecError(format_message(
+          f"xmap({self._name}): the arguments are not a valid pytree: {e}",
+          fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
+    mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
+    if isinstance(self._mesh, jax.sharding.AbstractMesh) and (
+        jax.sharding.get_abstract_mesh().empty):
+      raise MeshError(format_message(
+          f"xmap({self._name}): mesh= is an AbstractMesh, which has no devices to run on.",
+          context=[f"mesh=: {_mesh.describe(self._mesh)}"],
+          fix="Pass a concrete mesh (jax.make_mesh(shape, names)), or call the xmap under "
+              "`with jax.set_mesh(mesh):` with a concrete mesh of the same shape."))
+    rules = self._rules()
+    key = (treedef, tuple(_leaf_key(x) for x in leaves), mesh, _loops_key(), rules)
+    hit = self._cache.get(key)
+    if hit is None:
+      _check_call(args, len(args), self._donate, self._name)
+      _check_context_mesh(self._mesh, self._name)
+      leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
+      layout = self._layout(leaves, specs, paths, mesh)
+      hit = self._cache[key] = self._compile(layout, treedef, leaves, specs, paths, rules)
+    return hit
+
+  def _rules(self):
+    """The rules that resolve ``Logical`` leaves: axis_resources if it is a table, else the
+    ``partition.axis_rules`` context (only looked up when some leaf is ``Logical``)."""
+    if hasattr(self._axis_resources, "xmap_resources"):
+      return self._axis_resources
+    if not self._uses_logical:
+      return None
+    return current_rules()
+  def _layout(self, leaves, specs, paths, mesh) -> MapLayout:
+    names = self._in_names
+    undefined = sorted(self._out_names - set(names))
+    if undefined:
+      raise AxisNameError(format_message(
+          f"xmap({self._name}): out_axes names axes {undefined} that are not defined.",
+          context=[f"defined axes (from in_axes and axis_sizes): {names}"],
+          fix="Every out_axes name must appear in in_axes or axis_sizes."))
+    sizes, source = infer_sizes(leaves, specs, paths, self._axis_sizes, names, self._name)
+    resources = normalize_resources(self._axis_resources, names, sizes, mesh, self._name)
+    axes = check_divisible(resources, sizes, source, mesh, self._name)
+    check_cooccurrence(specs, [f"argument{p}" for p in paths], axes, self._name)
+    out_specs = self._out_specs
+    check_cooccurrence(out_specs, [f"out_axes entry {s!r}" for s in out_specs], axes, self._name)
+    order = _level_order(out_specs, leaves, specs, names)
+    return build_layout({n: axes[n] for n in order}, mesh)
+
+  def _compile(self, layout: MapLayout, in_treedef, leaves, specs, paths, rules):
+    mesh = layout.mesh
+    name = self._name
+    stating = [s for s in list(specs) + [placed(o) for o in self._out_specs]
+               if s.sharding is not None]
+    if stating and mesh is None:
+      raise MeshError(format_message(
+          f"xmap({name}): {stating[0].user_repr} states a sharding, but there is no mesh.",
+          fix="Pass mesh=jax.make_mesh(...) to xmap, or call it under "
+              "`with jax.set_mesh(mesh):`."))
+    has_mesh = bool(layout.mesh_axes) or bool(stating)
+    stated = [_placement.stated_entries(layout, s, _positional_shape(x, s), rules,
+                                        f"in_axes for argument{p}", name)
+              for x, s, p in zip(leaves, specs, paths)] if has_mesh else [None] * len(specs)
+    in_shardings = (tuple(_in_sharding(layout, x, s, st) for x, s, st in zip(leaves, specs, stated))
+                    if has_mesh else None)
+
+    # On a mesh with Explicit axes the body runs with all of them Auto (see program); nested
+    # xmaps then find them Auto already and need no region of their own.
+    explicit = (sorted(_mesh.explicit_axes(mesh))
+                if has_mesh and _mesh.explicit_axes(mesh) else [])
+
+    def state_outputs(spec, shape, path):
+      return _placement.stated_entries(layout, spec, shape, rules, f"out_axes for output{path}",
+                                       name) if has_mesh else None
+
+    def traced(leaves, in_region, typed=None):
+      _check_not_shadowing(layout, name)
+      constrain = _constrainer(mesh)
+      tracer = BodyTracer(layout, self._fun, name, in_treedef, self._out_axes, state_outputs,
+                      constrain if has_mesh else None)
+      if has_mesh:
+        typed = typed or [None] * len(leaves)
+        leaves = [_constrain_input(layout, x, s, st, t, constrain)
+                  for x, s, st, t in zip(leaves, specs, stated, typed)]
+      split, labels = split_inputs(layout, leaves, specs)
+      try:
+        with _tracing(layout):
+          outs = tracer.run(0, split, labels)
+      except NameError as e:
+        raise _unbound_name_error(e, layout, name, self._in_names) from None
+      except ValueError as e:
+        if "cannot appear in with_sharding_constraint" not in str(e):
+          raise
+        raise _mapped_axis_constraint_error(e, layout, name) from e
+      except AssertionError as e:
+        error = _collective_assertion(e, name)
+        if error is e:
+          raise
+        raise error from e
+      outs = merge_outputs(tracer, outs)
+      out_specs = [_placement.full_spec(layout, placed(s), x.ndim, st)
+                   for s, st, x in zip(tracer.out_specs, tracer.out_stated, outs)]
+      if has_mesh and not in_region:
+        outs = [x if _placement.is_trivial(sp) else constrain(x, sp)
+                for x, sp in zip(outs, out_specs)]
+      return outs, out_specs, tracer.out_treedef
+
+    def program(*args):
+      leaves = jax.tree_util.tree_leaves(args)
+      now_explicit = _still_explicit(mesh, explicit)
+      if not now_explicit:
+        outs, _, treedef = traced(leaves, in_region=False)
+      else:
+        # Explicit mesh axes: run the body with those axes made Auto (like
+        # jax.sharding.auto_axes, whose out_sharding we only know after tracing), so that
+        # vmap(spmd_axis_name=) places intermediates and collectives lower as on Auto meshes;
+        # then hand the outputs back with Explicit types. reshard to P() only drops the
+        # types: _constrain_input re-states the placement, and XLA moves no data.
+        base = _context_or(mesh)
+        auto = base.update_axis_types({a: jax.sharding.AxisType.Auto for a in now_explicit})
+        typed = [jax.typeof(x).sharding.spec for x in leaves]
+        with jax.sharding.use_abstract_mesh(auto):
+          leaves = jax.sharding.reshard(leaves, [PartitionSpec()] * len(leaves))
+          try:
+            outs, out_specs, treedef = traced(leaves, in_region=True, typed=typed)
+          except ValueError as e:
+            if "should match the aval mesh" not in str(e):
+              raise
+            raise _explicit_closure_error(name, mesh) from e
+        outs = [jax.sharding.reshard(x, NamedSharding(mesh, _placement.concrete(spec)))
+                for x, spec in zip(outs, out_specs)]
+      return jax.tree_util.tree_unflatten(treedef, outs)
+
+    program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
+    flat_in = None if in_shardings is None else jax.tree_util.tree_unflatten(
+        in_treedef, list(in_shardings))
+    jitted = jax.jit(program, in_shardings=flat_in, donate_argnums=self._donate)
+    return jitted, in_shardings
+
+
+_SHARED_CACHES: collections.OrderedDict[Any, dict] = collections.OrderedDict()
+_SHARED_CACHE_SIZE = 256
+
+
+def _shared_cache(key) -> dict:
+  try:
+    cache = _SHARED_CACHES.pop(key)
+  except TypeError:  # something unhashable in the configuration: no sharing
+    return {}
+  except KeyError:
+    cache = {}
+  _SHARED_CACHES[key] = cache
+  while len(_SHARED_CACHES) > _SHARED_CACHE_SIZE:
+    _SHARED_CACHES.popitem(last=False)
+  return cache
+
+
+def _specs_key(raw: Any, parsed: Sequence[Any]) -> Any:
+  return jax.tree_util.tree_structure(raw, is_leaf=is_spec_leaf), tuple(parsed)
+
+
+def _resources_key(resources: Any) -> Any:
+  if not isinstance(resources, Mapping):
+    return resources
+  return tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in resources.items())
+
+
+def _check_axis_sizes(axis_sizes: Any, name: str) -> dict[str, int]:
+  if axis_sizes is None:
+    return {}
+  if not isinstance(axis_sizes, Mapping):
+    raise AxisSizeError(f"xmap({name}): axis_sizes must be a dict {{axis name: size}}, got "
+                        f"{axis_sizes!r}; e.g. axis_sizes={{'batch': 8}}.")
+  problems = []
+  for axis, size in axis_sizes.items():
+    if not isinstance(axis, str):
+      problems.append(f"key {axis!r} is not an axis name (str)")
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+      problems.append(f"axis_sizes[{axis!r}] must be a non-negative int, got {size!r}")
+    elif size >= 2**31:
+      problems.append(f"axis_sizes[{axis!r}] = {size} does not fit JAX's int32 dims")
+  if problems:
+    raise AxisSizeError(format_message(f"xmap({name}): invalid axis_sizes.", bullets=problems,
+                                       fix="Give sizes as {'axis name': int}, e.g. {'i': 4}."))
+  return dict(axis_sizes)
+
+
+def _check_donate(donate_argnums: Any, name: str) -> tuple[int, ...]:
+  nums = (donate_argnums,) if isinstance(donate_argnums, (int, np.integer)) else donate_argnums
+  try:
+    nums = tuple(nums)
+  except TypeError:
+    nums = (nums,)
+  bad = [n for n in nums if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0]
+  if bad:
+    raise SpecError(f"xmap({name}): donate_argnums must be non-negative ints (positions of "
+                    f"arguments), got {donate_argnums!r}; e.g. donate_argnums=(0,).")
+  return tuple(int(n) for n in nums)
+
+
+def _check_context_mesh(mesh, name: str) -> None:
+  """``mesh=`` must agree with a ``jax.set_mesh`` mesh in context (JAX otherwise fails with
+  a bare AssertionError or "incompatible devices"). Inside an enclosing xmap the context is
+  that xmap's own Auto region, which is expected to differ in axis types."""
+  if mesh is None or _enclosing.axes:
+    return
+  context = jax.sharding.get_abstract_mesh()
+  if context.empty:
+    return
+  mine = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+  if (dict(mine.shape), tuple(mine.axis_types)) != (dict(context.shape),
+                                                    tuple(context.axis_types)):
+    raise MeshError(format_message(
+        f"xmap({name}): mesh= and the mesh in context (jax.set_mesh) differ.",
+        context=[f"mesh=: {_mesh.describe(mine)}", f"context: {_mesh.describe(context)}"],
+        fix="Pass the same mesh to both (same axes, sizes and AxisTypes), or drop mesh= to "
+            "use the context mesh."))
+
+
+def _check_call(args, n_args: int, donate, name) -> None:
+  """Checks what jax.jit would reject with less context: donated positions must exist and
+  leaves must be arrays (each bad leaf named by its keypath, e.g. ``argument[1]['k']``)."""
+  out_of_range = [d for d in donate if d >= n_args]
+  if out_of_range:
+    raise SpecError(f"xmap({name}): donate_argnums {out_of_range} is out of range for a call "
+                    f"with {n_args} positional arguments; count arguments from 0.")
+  bad = [f"argument{jax.tree_util.keystr(path)} is {type(x).__name__} {short(x)}"
+         for path, x in jax.tree_util.tree_flatten_with_path(args)[0]
+         if not (hasattr(x, "shape") and hasattr(x, "dtype")) and not isinstance(
+             x, (int, float, complex, bool, np.number, np.bool_))]
+  if bad:
+    raise SpecError(format_message(
+        f"xmap({name}): arguments must be arrays (or pytrees of arrays); "
+        f"{len(bad)} leaf(s) are not:",
+        bullets=bad,
+        fix="Convert them with jnp.asarray, or close over non-array values in the function."))
+
+
+def _shape_dtype(x):
+  shape = getattr(x, "shape", None)
+  return (tuple(shape), x.dtype) if shape is not None else (np.shape(x), type(x))
+
+
+def _loops_key():
+  return tuple(sorted(named_loops().items()))
+
+
+def _defined_names(in_specs: Sequence[AxisSpec], axis_sizes: Mapping[str, int]) -> list[str]:
+  """Names in any in_axes spec (also ones standing for empty containers) and axis_sizes."""
+  names: dict[str, None] = {}
+  for spec in in_specs:
+    names.update(dict.fromkeys(spec.names))
+  names.update(dict.fromkeys(axis_sizes))
+  return list(names)
+
+
+def _positional_shape(x, spec: AxisSpec) -> tuple[int, ...]:
+  return tuple(n for d, n in enumerate(np.shape(x)) if d not in spec.dims)
+
+
+def _leaf_key(x) -> tuple:
+  """What of a leaf decides the compiled program: shape, dtype, and where it lives."""
+  if isinstance(x, jax.core.Tracer):
+    return (*_shape_dtype(x), "traced", jax.typeof(x).sharding.spec)
+  placement = getattr(x, "sharding", None) if getattr(x, "committed", True) else None
+  return (*_shape_dtype(x), placement)
+
+
+def _in_sharding(layout: MapLayout, x, spec: AxisSpec, stated) -> NamedSharding | None:
+  """``jit`` in_sharding of one leaf: the named dims' placement with the stated, inherited
+  (committed) or replicated positional dims. A tracer keeps what it has: ``None`` on Auto
+  meshes; on Explicit ones its typed sharding, stated so that jit sees the mesh's devices
+  (under eager grad/vmap the values are otherwise uncommitted: "device assignment 1")."""
+  if isinstance(x, jax.core.Tracer):
+    if not (_mesh.explicit_axes(layout.mesh) and isinstance(layout.mesh, jax.sharding.Mesh)):
+      return None
+    typed = jax.typeof(x).sharding
+    return NamedSharding(layout.mesh, typed.spec if not typed.mesh.empty else PartitionSpec())
+  if isinstance(layout.mesh, jax.sharding.AbstractMesh):
+    # Under an eager transformation (grad, vmap) of a jax.set_mesh block only the abstract
+    # mesh is visible; a concrete argument then goes in as it is, and the constraints in
+    # the program place it (as for a traced one).
+    return None
+  if stated is None and getattr(x, "committed", True):
+    stated = _placement.inherited_entries(layout, spec, x)
+  spec = _placement.full_spec(layout, spec, np.ndim(x), stated, default=None)
+  return NamedSharding(layout.mesh, spec)
+
+
+def _constrainer(mesh):
+  """Applies a PartitionSpec as a constraint (called while tracing): bare when a mesh is in
+  context (``set_mesh``, or the Auto region of an enclosing xmap on an Explicit mesh, whose
+  axis types are the ones that count), else on ``mesh``."""
+  if not jax.sharding.get_abstract_mesh().empty or isinstance(mesh, jax.sharding.AbstractMesh):
+    return lambda x, spec: jax.lax.with_sharding_constraint(x, spec)
+  return lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _constrain_input(layout: MapLayout, x, spec: AxisSpec, stated, typed, constrain):
+  """Re-states an input's placement inside the program: named dims on their mesh axes,
+  positional dims as stated, as typed (Explicit meshes), or unconstrained."""
+  if stated is None and typed is not None:
+    stated = _placement.typed_entries(layout, spec, typed, np.ndim(x))
+  full = _placement.full_spec(layout, spec, np.ndim(x), stated)
+  return x if _placement.is_trivial(full) else constrain(x, full)
+
+
+def _mapped_axis_constraint_error(e: ValueError, layout: MapLayout, name: str) -> ResourceError:
+  """A constraint in the body names a mesh axis this xmap maps (a hard-coded
+  ``PartitionSpec``; logical constraints drop such axes by themselves)."""
+  text = str(e).splitlines()[0]
+  spec = re.search(r"got spec (P\(.*\))", text)
+  axes = re.search(r"spmd_axis_name (\(.*?\))", text)
+  mapped = ", ".join(f"{m!r} (axis {n!r})" for n, ax in layout.axes.items() for m in ax.mesh_axes)
+  return ResourceError(format_message(
+      f"xmap({name}): a sharding constraint in the function names mesh axes "
+      f"{axes.group(1) if axes else ''} that this xmap maps its named axes to.",
+      context=[f"constraint: with_sharding_constraint(x, {spec.group(1) if spec else '?'})",
+               f"mapped mesh axes: {mapped}",
+               "Inside the body each call sees one slice of those axes; the constraint cannot "
+               "place a dim on them."],
+      fix="Constrain by logical name (partition.constrain or nn.with_logical_constraint: "
+          "mapped mesh axes are dropped there), drop those axes from the PartitionSpec, or "
+          "train with partition.value_and_grad, which splits the batch by rules instead of "
+          "a named xmap axis."))
+
+
+def _explicit_closure_error(name: str, mesh) -> MeshError:
+  return MeshError(format_message(
+      f"xmap({name}): the function uses a value with Explicit sharding on "
+      f"{_mesh.describe(mesh)} that is not one of its arguments (a closure over an array or "
+      "tracer from outside).",
+      context=["On meshes with Explicit axes, xmap runs its body with those axes Auto (as "
+               "jax.sharding.auto_axes does), and JAX rejects mixing the two."],
+      fix="Pass the value to the xmapped function as an argument (in_axes [...] if it has no "
+          "named dims), or use an Auto mesh."))
+
+
+def _level_order(out_specs, leaves, specs, names) -> list[str]:
+  """Outermost first: axes in the order out_axes mentions them, then as they appear in the
+  largest inputs. That is the major-to-minor layout a hand-written nest of vmaps follows,
+  and XLA lays out the intermediates accordingly."""
+  sizes = [int(np.prod(np.shape(x))) for x in leaves]
+  ordered: dict[str, None] = {}
+  for spec in out_specs:
+    ordered.update(dict.fromkeys(spec_names(spec)))
+  for i in sorted(range(len(leaves)), key=lambda i: -sizes[i]):
+    ordered.update(dict.fromkeys(specs[i].names))  # names are in dim order
+  ordered.update(dict.fromkeys(names))
+  return list(ordered)
+
+
+def _context_or(mesh) -> jax.sharding.AbstractMesh:
+  """The abstract mesh in context while tracing (an enclosing xmap may have made some axes
+  Auto already), else ``mesh``'s."""
+  context = jax.sharding.get_abstract_mesh()
+  if not context.empty:
+    return context
+  return mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
+
+
+def _still_explicit(mesh, axes) -> list[str]:
+  if not axes:
+    return []
+  base = _context_or(mesh)
+  types = dict(zip(base.axis_names, base.axis_types))
+  return [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
+
+
+def _place(args, targets):
+  """Moves committed concrete inputs whose sharding differs onto the planned sharding."""
+  if targets is None:
+    return args
+  leaves, treedef = jax.tree_util.tree_flatten(args)
+  moved = False
+  for i, (x, target) in enumerate(zip(leaves, targets)):
+    if target is not None and _needs_move(x, target):
+      leaves[i] = jax.device_put(x, target)
+      moved = True
+  return jax.tree_util.tree_unflatten(treedef, leaves) if moved else args
+
+
+def _needs_move(x, target) -> bool:
+  if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer) or not x.committed:
+    return False
+  sharding = x.sharding
+  return sharding != target and not sharding.is_equivalent_to(target, x.ndim)
+
+
+class _Enclosing(threading.local):
+  def __init__(self):
+    self.axes: tuple[str, ...] = ()
+    self.mesh_axes: dict[str, str] = {}  # mesh axis -> the enclosing named axis on it
+    self.mesh = None  # the enclosing xmap's mesh: nested xmaps default to it
+
+
+_enclosing = _Enclosing()
+
+
+class _tracing:
+  """Records the axes of the xmap being traced, for the shadowing check of nested xmaps
+  (loop-mapped axes are bound under private names, so lax.axis_size cannot see them)."""
+
+  def __init__(self, layout: MapLayout):
+    self.axes = tuple(layout.axes)
+    self.mesh_axes = {m: n for n, ax in layout.axes.items() for m in ax.mesh_axes}
+    self.mesh = layout.mesh
+
+  def __enter__(self):
+    self.saved = (_enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh)
+    _enclosing.axes = self.saved[0] + self.axes
+    _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
+    _enclosing.mesh = self.mesh or self.saved[2]
+    # Constraints in the body (partition.constrain, flax's nn.with_logical_constraint)
+    # drop the mesh axes this body maps: JAX rejects them there, and xmap places that dim.
+    self.mapping = _scope.mapping(frozenset(self.mesh_axes))
+    self.mapping.__enter__()
+
+  def __exit__(self, *exc):
+    self.mapping.__exit__(*exc)
+    _enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh = self.saved
+
+
+def _check_not_shadowing(layout: MapLayout, name: str) -> None:
+  bound = []
+  for axis in layout.axes:
+    if axis in _enclosing.axes:
+      bound.append(axis)
+      continue
+    try:
+      jax.lax.axis_size(axis)
+    except NameError:
+      continue
+    bound.append(axis)
+  if bound:
+    raise AxisNameError(format_message(
+        f"xmap({name}): axis names {bound} are already bound by an enclosing xmap/vmap.",
+        context=["Collectives over them would be ambiguous (the inner name would shadow the "
+                 "outer one)."],
+        fix="Rename the inner axes."))
+  clashes = [f"axis {axis!r} is placed on mesh axis {m!r}, which the enclosing xmap uses for "
+             f"its axis {_enclosing.mesh_axes[m]!r}"
+             for axis, ax in layout.axes.items() for m in ax.mesh_axes if m in _enclosing.mesh_axes]
+  if clashes:
+    raise ResourceError(format_message(
+        f"xmap({name}): a nested xmap reuses mesh axes of the enclosing one.", bullets=clashes,
+        context=["Inside the outer map every device already holds one slice along those mesh "
+                 "axes; they cannot split another axis too."],
+        fix="Place the inner axes on other mesh axes, on a SerialLoop, or on no resources."))
+
+
+_UNBOUND = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
+
+
+def _unbound_name_error(e: NameError, layout: MapLayout, name: str, defined: Sequence[str]
+                        ) -> Exception:
+  match = _UNBOUND.search(str(e))
+  if match is None:
+    return e
+  axis = match.group(1)
+  if axis in layout.loop_axes:
+    return _loop_collective_error(axis, layout, name)
+  hint = did_you_mean(axis, list(defined) + list(_enclosing.axes))
+  return AxisNameError(format_message(
+      f"xmap({name}): a collective (psum, pmean, all_gather, axis_index, ...) refers to axis "
+      f"{axis!r}, which no enclosing xmap or vmap binds{hint}.",
+      context=[f"axes of this xmap: {list(defined)}"]
+              + ([f"axes of enclosing xmaps: {list(_enclosing.axes)}"] if _enclosing.axes
+                 else []),
+      fix="Use one of those names, or add the axis to in_axes / axis_sizes."))
+
+
+def _collective_assertion(e: AssertionError, name: str) -> Exception:
+  """JAX's vmap rule of ppermute asserts on several axes at once; say what to do instead."""
+  frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+  if not any("ppermute" in f for f in frames):
+    return e
+  return AxisNameError(format_message(
+      f"xmap({name}): lax.ppermute over several named axes at once is not supported.",
+      context=["Named axes are vectorised (jax.vmap), whose ppermute rule handles one axis."],
+      fix="Call ppermute once per axis, with the permutation of that axis; or all_gather "
+          "over one axis and index."))
+
+
+def _loop_collective_error(axis: str, layout: MapLayout, name: str) -> Exception:
+  return LoopCollectiveError(format_message(
+      f"xmap({name}): a collective (psum, axis_index, all_gather, ...) refers to axis "
+      f"{axis!r}, which is mapped to a serial loop {layout.axes[axis].resources_repr()}.",
+      context=["Loop iterations run one after another, so there is no axis to communicate "
+               "over inside the function."],
+      fix=f"Reduce over it in out_axes instead, e.g. out_axes=partition.Sum({axis!r}) or "
+          f"partition.Mean({axis!r}); or map {axis!r} to mesh axes / no resources."))
