@@ -31,13 +31,13 @@ import jax
 from flax import linen as nn
 from flax.core import meta
 
-from partition._params import adapt as _adapt
-from partition._rules.constrain import constrain
 from partition._base.errors import did_you_mean, format_message
-from partition._rules.explain import ExplainReport
 from partition._base.logical_axes import LogicalAxesError
 from partition._base.mesh import AnyMesh
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
+from partition._rules.constrain import constrain
+from partition._rules.explain import ExplainReport
 
 Axes = tuple[str | None, ...]
 

@@ -36,8 +36,8 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from partition._params import adapt as _adapt
-from partition._rules.explain import ExplainReport
+from partition._base.logical_axes import Annotated, abstract
+from partition._base.mesh import AnyMesh
 from partition._haiku.errors import _PARAMS, _STATE, STACK_AXIS, Axes
 from partition._haiku.errors import AxesTypeError as AxesTypeError
 from partition._haiku.errors import HaikuInputError as HaikuInputError
@@ -55,9 +55,9 @@ from partition._haiku.recording import (
 )
 from partition._haiku.tracing import _prepare, _Traced
 from partition._haiku.validation import _table
-from partition._base.logical_axes import Annotated, abstract
-from partition._base.mesh import AnyMesh
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
+from partition._rules.explain import ExplainReport
 
 
 def get_parameter(name: str, shape: Any, dtype: Any = None, init: Any = None, *,

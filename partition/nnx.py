@@ -29,14 +29,14 @@ from typing import Any
 import jax
 from flax import nnx
 
-from partition._params import adapt as _adapt
-from partition._rules.constrain import constrain
-from partition._rules.context import current_rules, current_rules_mesh
 from partition._base.errors import did_you_mean
-from partition._rules.explain import ExplainReport
 from partition._base.logical_axes import LogicalAxesError
 from partition._base.mesh import AnyMesh
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
+from partition._rules.constrain import constrain
+from partition._rules.context import current_rules, current_rules_mesh
+from partition._rules.explain import ExplainReport
 
 Axes = tuple[str | None, ...]
 

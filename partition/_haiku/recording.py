@@ -13,14 +13,14 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from partition._rules.constrain import constrain
-from partition._rules.context import current_rules, current_rules_mesh
 from partition._base.errors import format_message
-from partition._haiku.errors import _LOCAL, _PARAMS, _STATE, Axes, UnusedPatternWarning
-from partition._haiku.validation import _as_axes
 from partition._base.logical_axes import LogicalAxesError
 from partition._base.mesh import explicit_axes
+from partition._haiku.errors import _LOCAL, _PARAMS, _STATE, Axes, UnusedPatternWarning
+from partition._haiku.validation import _as_axes
 from partition._params.path_rules import PathRules, PathRulesError
+from partition._rules.constrain import constrain
+from partition._rules.context import current_rules, current_rules_mesh
 
 # -- recording what the init creates -----------------------------------------------------------
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import jax
 
+from partition._base.logical_axes import fit_rank
 from partition._haiku.errors import _PARAMS, _STATE, Axes
 from partition._haiku.recording import _Created
-from partition._base.logical_axes import fit_rank
 from partition._params.path_rules import PathMatch, PathRules, path_str
 
 # -- axes of the created tree ------------------------------------------------------------------

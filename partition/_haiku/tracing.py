@@ -11,13 +11,13 @@ import haiku as hk
 import jax
 import numpy as np
 
-from partition._params import adapt as _adapt
 from partition._base.errors import format_message
+from partition._base.logical_axes import LogicalAxesError
 from partition._haiku.errors import _PARAMS, _STATE, StaticArgError
 from partition._haiku.recording import _placing, _recording
 from partition._haiku.stacked import _axes_tree, _Matching, _stack_leads
 from partition._haiku.validation import _table, _validate
-from partition._base.logical_axes import LogicalAxesError
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRulesError
 
 # -- tracing the init --------------------------------------------------------------------------

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from partition._params import adapt as _adapt
 from partition._base.errors import format_message
 from partition._haiku.errors import Axes, AxesTypeError, HaikuInputError
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
 
 # -- checking arguments ------------------------------------------------------------------------

@@ -21,11 +21,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh
 
-from partition._params.audit import audit_placement
-from partition._rules.constrain import NoRulesError
-from partition._rules.context import axis_rules, current_rules, current_rules_mesh
 from partition._base.errors import MeshError, PartitionError, format_message, short
-from partition._rules.explain import explain as _explain
 from partition._base.logical_axes import (
   LogicalAxesError,
   LogicalAxesTypeError,
@@ -35,7 +31,11 @@ from partition._base.logical_axes import (
   unbox,
 )
 from partition._base.mesh import AnyMesh
+from partition._params.audit import audit_placement
 from partition._params.path_rules import PathMatch, as_path_rules
+from partition._rules.constrain import NoRulesError
+from partition._rules.context import axis_rules, current_rules, current_rules_mesh
+from partition._rules.explain import explain as _explain
 from partition._rules.table import AxisRules
 
 

@@ -64,13 +64,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base.errors import PartitionError, did_you_mean, format_message
-from partition._rules.explain import human_bytes
 from partition._base.logical_axes import dtype_shape
 from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_axes
 from partition._params.path_rules import PathMatch, path_str
+from partition._rules.explain import human_bytes
+from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
 from partition._rules.resolve import INDIVISIBLE, Resolution
 from partition._rules.table import AxisRules, is_axes_leaf
-from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
 
 WARN_BYTES = 64 * 1024
 """Default ``warn_bytes``: a replicated parameter this large (bytes) triggers the warning."""

@@ -28,10 +28,10 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._params import adapt as _adapt
 from partition._base.errors import PartitionError, format_message
 from partition._base.logical_axes import logical_axes, unbox
 from partition._base.mesh import AnyMesh
+from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules, as_path_rules, is_path_table
 
 

@@ -13,10 +13,10 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from partition._rules import scope as _scope
 from partition._base.mesh import AnyMesh, current_mesh
-from partition._rules.table import AxisRules
+from partition._rules import scope as _scope
 from partition._rules.scope import current_rules_mesh as current_rules_mesh
+from partition._rules.table import AxisRules
 
 
 def as_rules(rules: Any) -> AxisRules:

@@ -22,11 +22,11 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from partition._rules.constrain import NoRulesError
-from partition._rules.context import current_rules, current_rules_mesh
 from partition._base.errors import did_you_mean, format_message
 from partition._base.logical_axes import LogicalAxesError, path_str
 from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_axes
+from partition._rules.constrain import NoRulesError
+from partition._rules.context import current_rules, current_rules_mesh
 from partition._rules.resolve import FIRED, Resolution
 from partition._rules.table import AxisRules, map_axes_tree
 

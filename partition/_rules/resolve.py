@@ -25,10 +25,10 @@ from collections.abc import Mapping, Sequence
 
 from jax.sharding import PartitionSpec
 
-from partition._rules.config import Resource, RulesError, Value
 from partition._base.errors import did_you_mean, format_message
 from partition._base.mesh import axes_entry
 from partition._base.resources import SerialLoop
+from partition._rules.config import Resource, RulesError, Value
 
 FIRED = "fired"
 USED = "mesh axis already used"

@@ -38,15 +38,15 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from partition._rules import config as _config
-from partition._rules.config import Resource, RulesError, RulesTypeError, Value, short
 from partition._base.errors import MeshError, did_you_mean, format_message
 from partition._base.logical_axes import path_str
 from partition._base.mesh import AnyMesh, axis_sizes
-from partition._rules.resolve import Resolution, resolve
 from partition._base.resources import SerialLoop, named_loops
-from partition._rules.scope import current_rules_mesh
+from partition._rules import config as _config
+from partition._rules.config import Resource, RulesError, RulesTypeError, Value, short
 from partition._rules.fallbacks import PartitionWarning
+from partition._rules.resolve import Resolution, resolve
+from partition._rules.scope import current_rules_mesh
 
 LogicalAxes = Sequence[str | None] | None
 

@@ -51,14 +51,14 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base import mesh as _mesh
-from partition._rules.context import axis_rules, current_rules, current_rules_mesh
 from partition._base.errors import AxisSizeError, PartitionError, SpecError, format_message
-from partition._params.optim import resolve_param_axes
-from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._base.resources import SerialLoop
+from partition._params.optim import resolve_param_axes
+from partition._rules.context import axis_rules, current_rules, current_rules_mesh
 from partition._rules.table import AxisRules, is_axes_leaf
-from partition._xmap.specs import Logical, Mean
+from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap.api import xmap
+from partition._xmap.specs import Logical, Mean
 
 _MICRO = "__microbatch__"
 

@@ -50,8 +50,8 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from partition._base import mesh as _mesh
-from partition._rules.context import axis_rules, current_rules, current_rules_mesh
 from partition._base.errors import PartitionError, did_you_mean, format_message, fun_name
+from partition._rules.context import axis_rules, current_rules, current_rules_mesh
 
 
 class PipelineError(PartitionError, ValueError):

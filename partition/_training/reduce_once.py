@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._rules.context import axis_rules
 from partition._base.mesh import axes_entry, entry_axes
+from partition._rules.context import axis_rules
 from partition._rules.table import AxisRules
 
 SCHEDULES = ("auto", "per_microbatch", "once")

@@ -40,9 +40,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base import mesh as _mesh
-from partition._xmap import placement as _placement
-from partition._rules import scope as _scope
-from partition._rules.context import current_rules
 from partition._base.errors import (
   AxisNameError,
   AxisSizeError,
@@ -55,6 +52,10 @@ from partition._base.errors import (
   fun_name,
   short,
 )
+from partition._base.resources import named_loops
+from partition._rules import scope as _scope
+from partition._rules.context import current_rules
+from partition._xmap import placement as _placement
 from partition._xmap.layout import (
   MapLayout,
   build_layout,
@@ -64,7 +65,6 @@ from partition._xmap.layout import (
   normalize_resources,
 )
 from partition._xmap.program import BodyTracer, merge_outputs, split_inputs
-from partition._base.resources import named_loops
 from partition._xmap.specs import (
   AxisSpec,
   Logical,

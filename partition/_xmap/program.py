@@ -41,7 +41,8 @@ def reduced_dtype(dtype):
 class BodyTracer:
   """State of one trace: the layout, the user function, and what it returned."""
 
-  def __init__(self, layout: MapLayout, fun: Callable, fun_name: str, in_treedef: Any, out_axes: Any,
+  def __init__(self, layout: MapLayout, fun: Callable, fun_name: str, in_treedef: Any,
+               out_axes: Any,
                state_outputs: Callable | None = None, constrain: Callable | None = None):
     # state_outputs(spec, per-example shape, keypath) -> stated positional entries or None;
     # constrain(x, PartitionSpec) applies a sharding constraint (None: no mesh).

@@ -86,9 +86,64 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
   return None
 
 
+# The groups of partition/ (each a private subpackage with a README) and the groups each may
+# import; a module directly in partition/ (the public faces, the self-check) may import any.
+GROUPS = {
+    "_base": set(),
+    "_rules": {"_base"},
+    "_xmap": {"_base", "_rules"},
+    "_params": {"_base", "_rules"},
+    "_training": {"_base", "_rules", "_xmap", "_params"},
+    "_haiku": {"_base", "_rules", "_params"},  # the Haiku adapter's machinery
+}
+
+
+def _group(module: str) -> str | None:
+  parts = module.split(".")
+  return parts[1] if len(parts) > 2 else None
+
+
 def test_the_graph_is_read():
   graph = _graph()
-  assert "partition._xmap.api" in graph and "partition._rules.table" in graph["partition._rules.context"]
+  assert "partition._xmap.api" in graph
+  assert "partition._rules.table" in graph["partition._rules.context"]
+
+
+def test_every_module_is_in_a_group_or_is_a_public_face():
+  loose = sorted(m for m in _graph() if _group(m) is None and m.count(".") == 1
+                 and m.split(".")[1].startswith("_") and m.split(".")[1] not in GROUPS
+                 and m not in {"partition.__main__", "partition._selfcheck"})
+  assert loose == [], f"put {loose} in one of the groups {sorted(GROUPS)}"
+  assert {_group(m) for m in _graph()} - {None} == set(GROUPS)
+
+
+def test_each_group_has_a_readme_naming_its_modules_and_allowed_imports():
+  for group, allowed in GROUPS.items():
+    readme = (PACKAGE / group / "README.md").read_text()
+    for path in _sources(PACKAGE / group):
+      if path.name != "__init__.py":
+        assert f"`{path.name}`" in readme, f"{group}/README.md does not mention {path.name}"
+    if group != "_haiku":
+      stated = set(re.findall(r"`(_[a-z]+)`", readme.split("May import:")[1]))
+      assert stated == allowed, (group, stated, allowed)
+
+
+def test_groups_import_only_downward():
+  offenders = []
+  for module, imported in _graph().items():
+    group = _group(module)
+    if group is None:
+      continue
+    for target in imported:
+      other = _group(target)
+      if other is not None and other != group and other not in GROUPS[group]:
+        offenders.append(f"{module} imports {target} "
+                         f"({group} may import {sorted(GROUPS[group])})")
+  assert offenders == []
+
+
+def test_the_group_arrows_have_no_circle():
+  assert _cycle({g: set(allowed) for g, allowed in GROUPS.items()}) is None
 
 
 def test_partition_modules_import_each_other_without_a_circle():
