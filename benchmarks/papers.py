@@ -67,22 +67,23 @@ import layers
 import layers.linen
 import partition
 from benchmarks.common import (
-    BYTES_TARGET,
-    MEMORY_TARGET,
-    Row,
-    Section,
-    auto_mesh,
-    flax_rules,
-    log,
-    memory,
+  BYTES_TARGET,
+  MEMORY_TARGET,
+  Row,
+  Section,
+  auto_mesh,
+  flax_rules,
+  log,
+  memory,
 )
 from benchmarks.train_step import (
-    BATCH_AXES,
-    PRESETS,
-    cross_entropy,
-    micro_scan,
-    sharded_inputs,
+  BATCH_AXES,
+  PRESETS,
+  cross_entropy,
+  micro_scan,
+  sharded_inputs,
 )
+from partition.internal import entry_mesh_axes
 
 NAME = "papers"
 TITLE = "8. communication and memory per step vs Megatron-LM / ZeRO / GShard"
@@ -138,7 +139,7 @@ def zero_bytes(param_axes: Any, params: Any, rules: partition.AxisRules, mesh: A
   flat_axes = jax.tree.leaves(param_axes, is_leaf=lambda x: isinstance(x, tuple))
   for logical, x in zip(flat_axes, jax.tree.leaves(params)):
     spec = rules.spec(logical, x.shape, mesh)
-    placed = [(name, axis) for name, e in zip(logical, spec) for axis in partition.entry_axes(e)]
+    placed = [(name, axis) for name, e in zip(logical, spec) for axis in entry_mesh_axes(e)]
     local, fsdp = x.size * F32, 1
     for name, axis in placed:
       if axis in batch_mesh_axes and name != "expert":
@@ -221,7 +222,7 @@ def analytic_argument_bytes(case: Case) -> float:
 
 
 def _local_bytes(x: Any, spec: Any, mesh: Any) -> float:
-  split = math.prod(mesh.shape[a] for e in spec for a in partition.entry_axes(e))
+  split = math.prod(mesh.shape[a] for e in spec for a in entry_mesh_axes(e))
   return x.size * x.dtype.itemsize / split
 
 
@@ -252,7 +253,7 @@ class Case:
   def token_mesh_axes(self) -> tuple[str, ...]:
     """The mesh axes the tokens are split on: the batch's, then the sequence's (``length``)
     where the rules shard it; weights' gradients are summed over all of them."""
-    length = partition.entry_axes(tuple(self.rules.spec(("length",), (self.length,), self.mesh))[0]
+    length = entry_mesh_axes(tuple(self.rules.spec(("length",), (self.length,), self.mesh))[0]
                     if self.length else None)
     return self.batch_mesh_axes + tuple(a for a in length if a not in self.batch_mesh_axes)
 
@@ -276,7 +277,7 @@ def build(preset: str, shape: tuple[int, ...], names: tuple[str, ...], k: int,
   tx = optax.adamw(1e-3)
   loss = cross_entropy(model)
   params, axes, opt_state, batch, rows = sharded_inputs(model, tokens, tx, rules, mesh)
-  batch_mesh_axes = partition.entry_axes(tuple(rows.spec)[0] if len(rows.spec) else None)
+  batch_mesh_axes = entry_mesh_axes(tuple(rows.spec)[0] if len(rows.spec) else None)
   m = math.prod(mesh.shape[a] for a in batch_mesh_axes)
   label = preset + (f" k={k}" if k > 1 else "") + (
       f" {grad_reduction}" if grad_reduction != "auto" else "")

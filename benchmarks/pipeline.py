@@ -17,7 +17,7 @@ with the batch on ``data``, on 8 devices. From the compiled program (Auto mesh):
   cannot show the bubble or the overlap honestly; the row is reported, not targeted.
 
 ``python -m benchmarks.pipeline --plot docs/images/pipeline_schedule.png`` draws the
-schedules (``PipelinePlan.schedule``) for the docs.
+schedules (``PipelineShape.schedule``) for the docs.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def run(quick: bool) -> Section:
   section = Section(NAME, TITLE)
   rows, d = (32, 32) if quick else (256, 256)
   for num_layers, p, r, m in CONFIGS:
-    plan = partition.PipelinePlan("stage", p, r, m, num_layers)
+    plan = partition.PipelineShape("stage", p, r, m, num_layers)
     workload = f"L={num_layers} p={p} r={r} m={m} B={rows} D={d}"
     log(f"  {workload}")
     mesh = auto_mesh((p, N // p), ("stage", "data"))
@@ -153,8 +153,8 @@ def plot_schedule(path: str, stages: int = 4, microbatches: int = 8, repeats: in
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  plans = [partition.PipelinePlan("stage", stages, 1, microbatches, stages),
-           partition.PipelinePlan("stage", stages, repeats, microbatches, stages * repeats)]
+  plans = [partition.PipelineShape("stage", stages, 1, microbatches, stages),
+           partition.PipelineShape("stage", stages, repeats, microbatches, stages * repeats)]
   # x is time in units of one GPipe stage step (L/p layers): a circular cell applies
   # L/(p r) layers, so it is 1/r wide; the picture shows the shorter bubble directly.
   width = max(p.iterations / p.repeats for p in plans)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import partition
+from partition.internal import did_you_mean, entry_mesh_axes, format_message, to_spec_entry
 
 Array = jax.Array
 
@@ -253,7 +254,7 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
   kv_length = q_length if kv_length is None else kv_length
   mask = Mask(causal=False) if mask is None else mask
   if requested not in IMPLEMENTATIONS:
-    hint = partition.did_you_mean(str(requested), IMPLEMENTATIONS)
+    hint = did_you_mean(str(requested), IMPLEMENTATIONS)
     raise AttentionError(f"attention={requested!r} is not an implementation; use one of "
                          f"{list(IMPLEMENTATIONS)}{hint}.")
   if dense_mask:
@@ -268,7 +269,7 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
   if requested in ("cudnn", "pallas"):
     problems = cudnn if requested == "cudnn" else pallas
     if problems:
-      raise AttentionError(partition.format_message(
+      raise AttentionError(format_message(
           f"attention={requested!r} cannot run here: {len(problems)} constraint(s) do not hold.",
           bullets=problems,
           fix="Use attention='auto' (picks what the backend and mask allow), 'blockwise' "
@@ -361,7 +362,7 @@ def _query_axes(shape: tuple[int, ...], rules: Any, mesh: Any) -> tuple[tuple[st
     return (), (), ()
   spec = rules.spec(_QUERY, shape, mesh)
   entries = (*spec, None, None, None)[:3]
-  return tuple(partition.entry_axes(e) for e in entries)
+  return tuple(entry_mesh_axes(e) for e in entries)
 
 
 # -- xla: the reference ----------------------------------------------------------------------
@@ -629,15 +630,15 @@ def shard_mapped(kernel, q: Array, k: Array, v: Array, mask: Mask) -> Array:
   batch, seq, heads = _query_axes(q.shape, rules, mesh)
   if not (batch or seq or heads):
     return kernel(q, k, v, parts, causal=mask.causal, q_offset=0)
-  kv_heads = partition.entry_axes((*rules.spec(_KEY_VALUE, k.shape, mesh), None, None, None)[2])
+  kv_heads = entry_mesh_axes((*rules.spec(_KEY_VALUE, k.shape, mesh), None, None, None)[2])
   size = lambda axes: math.prod(dict(mesh.shape)[a] for a in axes)
   groups = q.shape[2] // k.shape[2]
   local_heads = q.shape[2] // size(heads)
   slice_kv = bool(heads) and kv_heads != heads
   if slice_kv and local_heads % groups and groups % local_heads:
     heads, slice_kv = (), False  # the local query heads would straddle kv groups: replicate
-  kv_entry = None if slice_kv or not heads else partition.axes_entry(heads)
-  e = partition.axes_entry
+  kv_entry = None if slice_kv or not heads else to_spec_entry(heads)
+  e = to_spec_entry
   q_spec = P(e(batch), e(seq), e(heads), None)
   kv_spec = P(e(batch), None, kv_entry, None)
   side = {"q_valid": P(e(batch), e(seq)), "q_seg": P(e(batch), e(seq)),

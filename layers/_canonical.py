@@ -49,7 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from layers._core import split_qkv
-from partition import PartitionError, format_message
+from partition import PartitionError
+from partition.internal import format_message
 
 _UNROLLED = re.compile(r"^blocks_(\d+)$")
 _WRAPPERS = ("params", "transformer")

@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from partition import PartitionError, did_you_mean, format_message
+from partition import PartitionError
+from partition.internal import did_you_mean, format_message
 
 # Remat policy names -> ``jax.checkpoint`` policies. ``'none'`` means no remat at all;
 # ``'full'`` recomputes everything in the backward pass (policy ``None``).

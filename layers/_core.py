@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import partition
 from layers import _attention
 from layers._attention import Mask
+from partition.internal import entry_mesh_axes, to_spec_entry
 
 Array = jax.Array
 
@@ -97,16 +98,16 @@ def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) 
     return x
   b, length = undo if undo is not None else x.shape[dim:dim + 2]
   spec = rules.spec(("batch", "length"), (b, length), mesh)
-  batch, seq = (partition.entry_axes(e) for e in (*spec, None, None)[:2])
+  batch, seq = (entry_mesh_axes(e) for e in (*spec, None, None)[:2])
   q = math.prod(mesh.shape[a] for a in seq)
   if not batch or not seq or length % q:
     return x
   lead, rest = x.shape[:dim], x.shape[dim + 2:]
   free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * len(rest)
   P = jax.sharding.PartitionSpec
-  split = P(*(P.UNCONSTRAINED,) * dim, partition.axes_entry(batch), partition.axes_entry(seq),
+  split = P(*(P.UNCONSTRAINED,) * dim, to_spec_entry(batch), to_spec_entry(seq),
             None, *free)
-  merged = P(*(P.UNCONSTRAINED,) * dim, partition.axes_entry(seq + batch), None, *free)
+  merged = P(*(P.UNCONSTRAINED,) * dim, to_spec_entry(seq + batch), None, *free)
   if undo is None:
     x = partition.constrain(jnp.reshape(x, (*lead, b, q, length // q, *rest)), split)
     x = jnp.swapaxes(x, dim, dim + 1)
@@ -117,7 +118,7 @@ def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) 
 
 
 def _mesh_axes(spec: Any) -> set[str]:
-  return {axis for entry in spec for axis in partition.entry_axes(entry)}
+  return {axis for entry in spec for axis in entry_mesh_axes(entry)}
 
 
 def lookup_table(table: Array, batch_size: int) -> Array:
@@ -169,7 +170,7 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
 
 
 def _drop(entry: Any, axes: set[str]) -> Any:
-  return partition.axes_entry(a for a in partition.entry_axes(entry) if a not in axes)
+  return to_spec_entry(a for a in entry_mesh_axes(entry) if a not in axes)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))

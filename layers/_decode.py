@@ -49,7 +49,8 @@ import partition
 from layers import _core, _model
 from layers._config import TransformerConfig
 from layers._params import check_tokens
-from partition import PartitionError, format_message
+from partition import PartitionError
+from partition.internal import format_message
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -183,7 +184,7 @@ def cache_bytes_per_device(config: TransformerConfig, batch: int, length: int, *
                           is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   total = 0
   for s, spec in zip(shapes, specs):
-    split = math.prod(mesh.shape[a] for e in spec for a in partition.entry_axes(e))
+    split = math.prod(mesh.shape[a] for e in spec for a in partition.internal.entry_mesh_axes(e))
     total += math.prod(s.shape) * s.dtype.itemsize // split
   return total
 

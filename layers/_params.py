@@ -17,7 +17,8 @@ from typing import Any, NamedTuple
 
 import jax
 
-from partition import PartitionError, format_message
+from partition import PartitionError
+from partition.internal import format_message
 
 init = jax.nn.initializers
 

@@ -76,7 +76,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from layers._config import RopeScaling, TransformerConfig
-from partition import PartitionError, atomic_write, format_message
+from partition import PartitionError
+from partition.internal import atomic_write, format_message
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",

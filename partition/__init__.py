@@ -39,14 +39,14 @@ from partition._rules.resolve import ResolutionError as ResolutionError
 from partition._rules.table import AxisRules as AxisRules
 
 # --- parameters: declared axes, path tables, placement ---
-from partition._base.logical_axes import Annotated as Annotated
+from partition._base.logical_axes import WithAxes as WithAxes
 from partition._base.logical_axes import LogicalAxesError as LogicalAxesError
 from partition._base.logical_axes import logical_axes as logical_axes
 from partition._base.logical_axes import unbox as unbox
 from partition._params.path_rules import PathMatch as PathMatch
 from partition._params.path_rules import PathRules as PathRules
 from partition._params.path_rules import PathRulesError as PathRulesError
-from partition._params.audit import PlacementError as PlacementError
+from partition._base.errors import PlacementError as PlacementError
 from partition._params.audit import ReplicatedWarning as ReplicatedWarning
 from partition._params.optim import OptimizerStateError as OptimizerStateError
 from partition._params.optim import optimizer_axes as optimizer_axes
@@ -58,23 +58,18 @@ from partition._rules.fallbacks import PartitionWarning as PartitionWarning
 from partition._training.pipeline import LayerCountError as LayerCountError
 from partition._training.pipeline import MicrobatchError as MicrobatchError
 from partition._training.pipeline import PipelineError as PipelineError
-from partition._training.pipeline import PipelinePlan as PipelinePlan
+from partition._training.pipeline import PipelineShape as PipelineShape
 from partition._training.pipeline import StageAxisError as StageAxisError
 from partition._training.pipeline import pipeline as pipeline
 from partition._training.pipeline import pipeline_bubble as pipeline_bubble
 from partition._training.pipeline import stage_axis as stage_axis
 
-# --- helpers for packages built on partition (layers/, recipes/): one message layout ---
-from partition._base.errors import did_you_mean as did_you_mean
-from partition._base.errors import format_message as format_message
-from partition._rules.explain import human_bytes as human_bytes
-from partition._base.io import atomic_write as atomic_write
-from partition._base.logical_axes import path_str as path_str
-from partition._base.mesh import axes_entry as axes_entry
-from partition._base.mesh import entry_axes as entry_axes
+# --- old names, kept for one release (a DeprecationWarning names the new one) ---
+from partition._renamed import module_getattr as __getattr__
 
 # --- wiring: partition.axis_rules also sets flax's nn.logical_axis_rules (when flax is used) ---
 from partition._rules.flax_hook import FLAX_RULES_HOOK as _FLAX_RULES_HOOK
 from partition._rules.scope import register_rules_hook as _register_rules_hook
 
 _register_rules_hook(_FLAX_RULES_HOOK)
+

@@ -21,22 +21,23 @@ Stock modules you cannot edit get axes from :func:`with_axes` or a path table
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 from flax import linen as nn
 from flax.core import meta
 
+from partition._base.deprecations import deprecated_getattr
 from partition._base.errors import did_you_mean, format_message
 from partition._base.logical_axes import LogicalAxesError
 from partition._base.mesh import AnyMesh
 from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
 from partition._rules.constrain import constrain
+from partition._rules.context import axis_rules as _context_axis_rules
 from partition._rules.explain import ExplainReport
 
 Axes = tuple[str | None, ...]
@@ -141,20 +142,6 @@ def explain(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
   return _adapt.explain_tree(shapes, axes, rules, mesh)
 
 
-@contextlib.contextmanager
-def axis_rules(rules: Any, mesh: AnyMesh | None = None) -> Iterator[Any]:
-  """``partition.axis_rules`` that also sets flax's ``nn.logical_axis_rules``.
-
-  Inside it, flax's own ``nn.with_logical_constraint`` (and the constraint linen boxes
-  apply when unboxed) resolve through the same table. Flax applies them only under
-  ``jax.set_mesh(mesh)`` and uses ``with_sharding_constraint``, which JAX rejects on
-  Explicit mesh axes: for flax's own calls use an Auto mesh. ``partition.constrain`` works
-  with both.
-  """
-  with _adapt.axis_rules(_adapt.current_rules(rules), mesh) as found:
-    yield found
-
-
 # -- giving stock modules logical axes --------------------------------------------------------
 
 
@@ -254,3 +241,8 @@ def with_axes(module_cls: type | None = None, /, *,
     return Wrapped
 
   return wrap if module_cls is None else wrap(module_cls)
+
+
+__getattr__ = deprecated_getattr("partition.flax", {
+    "axis_rules": ("partition.axis_rules (it sets flax's nn.logical_axis_rules too)",
+                   lambda: _context_axis_rules)})

@@ -36,7 +36,7 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from partition._base.logical_axes import Annotated, abstract
+from partition._base.logical_axes import WithAxes, abstract
 from partition._base.mesh import AnyMesh
 from partition._haiku.errors import _PARAMS, _STATE, STACK_AXIS, Axes
 from partition._haiku.errors import AxesTypeError as AxesTypeError
@@ -270,13 +270,13 @@ def eval_axes(transformed: Any, rng: Any, *args: Any, param_axes: PathRules | An
 def annotate(transformed: Any, rng: Any, *args: Any, param_axes: PathRules | Any = None,
              stack_axis: str | None = STACK_AXIS, static_argnums: int | Sequence[int] = (),
              **kwargs: Any) -> Any:
-  """Abstract params (and state) with each annotated leaf in a :class:`partition.Annotated`.
+  """Abstract params (and state) with each annotated leaf in a :class:`partition.WithAxes`.
 
   ``partition.logical_axes`` reads the result; ``partition.unbox`` strips the boxes.
   """
   t = _prepare("partition.haiku.annotate", transformed, rng, args, kwargs,
                param_axes=param_axes, stack_axis=stack_axis, static_argnums=static_argnums)
-  return jax.tree.map(lambda leaf, a: leaf if a is None else Annotated(leaf, a), t.out, t.axes)
+  return jax.tree.map(lambda leaf, a: leaf if a is None else WithAxes(leaf, a), t.out, t.axes)
 
 
 def _placed(api: str, transformed: Any, rng: Any, args: tuple, kwargs: dict, *, rules: Any,

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from partition._base.deprecations import deprecated_getattr
 from partition._base.errors import did_you_mean
 from partition._base.logical_axes import LogicalAxesError
 from partition._base.mesh import AnyMesh
@@ -157,8 +158,8 @@ def explain(init_fn: Callable[..., nnx.Module], *args: Any, rules: Any = None,
   return _adapt.explain_tree(state, axes, rules, mesh)
 
 
-def annotate(module: nnx.Module, param_axes: PathRules | Any, *, strict: bool = False
-             ) -> nnx.Module:
+def declare_axes(module: nnx.Module, param_axes: PathRules | Any, *, strict: bool = False
+                 ) -> nnx.Module:
   """Sets ``out_sharding`` metadata on ``module``'s Variables from a path table, in place.
 
   Variables that already declare axes keep them. Returns ``module``.
@@ -250,3 +251,7 @@ def with_axes(module_cls: type | None = None, /, *,
     return Wrapped
 
   return wrap if module_cls is None else wrap(module_cls)
+
+
+__getattr__ = deprecated_getattr("partition.nnx", {
+    "annotate": ("partition.nnx.declare_axes", lambda: declare_axes)})

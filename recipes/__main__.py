@@ -35,7 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
   command, rest = argv[0], argv[1:]
   if command not in COMMANDS:
-    from partition import did_you_mean
+    from partition.internal import did_you_mean
     print(f"error: unknown command {command!r}{did_you_mean(command, COMMANDS)}.\n\n"
           f"{usage()}", file=sys.stderr)
     return 2

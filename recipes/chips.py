@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from partition import PartitionError, did_you_mean
+from partition import PartitionError
+from partition.internal import did_you_mean
 
 SCALING_BOOK_TPUS = (
     "J. Austin et al., How to Scale Your Model (2025), 'How to Think About TPUs', tables "

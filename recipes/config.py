@@ -25,7 +25,8 @@ from typing import Any
 import yaml
 
 import layers
-from partition import PartitionError, did_you_mean, format_message
+from partition import PartitionError
+from partition.internal import did_you_mean, format_message
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "default.yaml"

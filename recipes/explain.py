@@ -263,7 +263,7 @@ def attention_choice(config, rules, mesh):
 
 
 def pipeline_plan(config, rules, mesh):
-  """The ``partition.PipelinePlan`` the scanned blocks run with, or ``None`` (no stage axis):
+  """The ``partition.PipelineShape`` the scanned blocks run with, or ``None`` (no stage axis):
   ``model.pipeline_microbatches`` micro-batches (0: one per stage) and
   ``model.pipeline_repeats`` chunks per stage."""
   import partition
@@ -271,7 +271,7 @@ def pipeline_plan(config, rules, mesh):
   if stage is None or not config.model.scan_layers:
     return None
   stages, model = mesh.shape[stage], config.model
-  return partition.PipelinePlan(stage, stages, model.pipeline_repeats,
+  return partition.PipelineShape(stage, stages, model.pipeline_repeats,
                                 model.pipeline_microbatches or stages, model.num_layers)
 
 
@@ -283,7 +283,7 @@ def _pipeline_dict(plan) -> dict[str, Any]:
 
 
 def _human(n: int) -> str:
-  from partition import human_bytes
+  from partition.internal import human_bytes
   return human_bytes(n)
 
 

@@ -133,7 +133,7 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
     for ``'hf'`` also ``files``); the ``.npz`` export writes it as its JSON.
   """
   import layers
-  from partition import atomic_write
+  from partition.internal import atomic_write
 
   out = pathlib.Path(out)
   params, meta, step = restore_params(directory, step)

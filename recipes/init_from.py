@@ -31,7 +31,8 @@ from typing import Any
 import jax
 
 import layers
-from partition import PartitionError, format_message
+from partition import PartitionError
+from partition.internal import format_message
 
 # How the model runs, not what it computes: the run's config decides these.
 RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "pipeline_microbatches",

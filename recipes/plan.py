@@ -39,7 +39,8 @@ from typing import Any
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from partition import PartitionError, did_you_mean  # noqa: E402
+from partition import PartitionError  # noqa: E402
+from partition.internal import did_you_mean  # noqa: E402
 from recipes import chips as chips_lib  # noqa: E402
 from recipes import plan_model, report, roofline  # noqa: E402
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from partition import atomic_write
+from partition.internal import atomic_write
 
 
 def plain(text: str) -> str:

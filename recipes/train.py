@@ -192,7 +192,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   if not missing:
     spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
     entry = tuple(spec)[0] if len(spec) else None
-    axes = partition.entry_axes(entry)
+    axes = partition.internal.entry_mesh_axes(entry)
     shards = math.prod(mesh.shape[a] for a in axes)
     k = effective_microbatches(config, rules)
     if config.batch_size % (shards * k):

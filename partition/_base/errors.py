@@ -53,6 +53,10 @@ class MeshError(PartitionError, ValueError):
   """No usable mesh, or a mesh that does not match what was asked for."""
 
 
+class PlacementError(PartitionError, ValueError):
+  """``strict=True`` placement found names, paths or dims that would not be sharded as asked."""
+
+
 def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6, n: int = 1,
                  abbreviations: bool = False) -> str:
   """`` (did you mean 'x'?)`` for the option closest to ``word``, or ``''``.

@@ -10,7 +10,7 @@ Every framework keeps a parameter's logical axes in its own place:
 * Flax NNX keeps them in the Variable's metadata under ``out_sharding`` (older code uses the
   deprecated aliases ``sharding`` and ``sharding_names``).
 * Haiku has no place at all; this project annotates Haiku params (and any other pytree) by
-  wrapping leaves in an :class:`Annotated` box (see ``partition.haiku`` and
+  wrapping leaves in an :class:`WithAxes` box (see ``partition.haiku`` and
   :class:`partition.PathRules`).
 
 :func:`logical_axes` reads all of these and returns one tree in the shape of the input with
@@ -21,7 +21,7 @@ prefix: the trailing dims are replicated (the tuple is padded with ``None``).
 
 >>> import jax.numpy as jnp
 >>> import partition
->>> params = {'w': partition.Annotated(jnp.zeros((4, 8)), ('embed', 'mlp')),
+>>> params = {'w': partition.WithAxes(jnp.zeros((4, 8)), ('embed', 'mlp')),
 ...           'b': jnp.zeros(8)}
 >>> partition.logical_axes(params)
 {'b': None, 'w': ('embed', 'mlp')}
@@ -76,7 +76,7 @@ def check_names(names: Any, where: str) -> tuple:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Annotated:
+class WithAxes:
   """A pytree box that attaches logical axes to one parameter (framework-free).
 
   The value is the box's only child, so ``jax.tree.map``, ``jax.jit`` and ``eval_shape``
@@ -93,9 +93,9 @@ class Annotated:
   Example:
     >>> import jax, jax.numpy as jnp
     >>> import partition
-    >>> box = partition.Annotated(jnp.ones((2, 3)), ('embed', None))
+    >>> box = partition.WithAxes(jnp.ones((2, 3)), ('embed', None))
     >>> box
-    Annotated(f32[2,3], names=('embed', None))
+    WithAxes(f32[2,3], names=('embed', None))
     >>> jax.tree.map(lambda x: x * 2, box).names
     ('embed', None)
   """
@@ -104,10 +104,10 @@ class Annotated:
   names: tuple[str | None, ...] = dataclasses.field(metadata=dict(static=True))
 
   def __post_init__(self):
-    object.__setattr__(self, "names", check_names(self.names, "Annotated(names=...)"))
+    object.__setattr__(self, "names", check_names(self.names, "WithAxes(names=...)"))
 
   def __repr__(self) -> str:
-    return f"Annotated({_short(self.value)}, names={self.names!r})"
+    return f"WithAxes({_short(self.value)}, names={self.names!r})"
 
 
 def _short(value: Any) -> str:
@@ -168,12 +168,12 @@ def _is_nnx_graph(x: Any) -> bool:
 
 def is_param_leaf(x: Any) -> bool:
   """True for a box/Variable that holds one parameter (stop here when walking a tree)."""
-  return isinstance(x, Annotated) or _is_flax_box(x) or _is_nnx_variable(x)
+  return isinstance(x, WithAxes) or _is_flax_box(x) or _is_nnx_variable(x)
 
 
 def param_value(x: Any) -> Any:
   """The array (or ShapeDtypeStruct) inside a box / Variable; other leaves unchanged."""
-  if isinstance(x, Annotated):
+  if isinstance(x, WithAxes):
     return x.value
   if _is_flax_box(x):
     return x.unbox(apply_constraint=False) if hasattr(x, "unbox") else x.value
@@ -202,7 +202,7 @@ def _as_names(names: Any) -> tuple | None:
 
 def leaf_axes(x: Any) -> tuple | None:
   """Logical axes of one leaf (box, Variable or plain array); ``None`` if unannotated."""
-  if isinstance(x, Annotated):
+  if isinstance(x, WithAxes):
     return x.names
   if _is_mesh_box(x):
     return PartitionSpec(*x.names)
@@ -299,7 +299,7 @@ def logical_axes(tree: Any) -> Any:
   names become a ``PartitionSpec``), T5X ``param_with_axes`` metadata (the ``params_axes``
   collection, for parameters without a box), NNX Variables (``out_sharding`` metadata, or
   the deprecated ``sharding`` / ``sharding_names``, read without warnings), NNX Modules
-  (through ``nnx.state``) and :class:`Annotated` boxes. Each box / Variable becomes a tuple
+  (through ``nnx.state``) and :class:`WithAxes` boxes. Each box / Variable becomes a tuple
   of names padded with ``None`` to the parameter's rank (a short tuple is a prefix, as in
   flax); unannotated leaves become ``None`` (replicated by ``AxisRules.tree_specs``).
 
@@ -351,7 +351,7 @@ def unbox(tree: Any) -> Any:
   """Replaces every box / Variable in ``tree`` by the array it holds.
 
   Args:
-    tree: a pytree with :class:`Annotated` boxes, linen boxes or NNX Variables.
+    tree: a pytree with :class:`WithAxes` boxes, linen boxes or NNX Variables.
 
   Returns:
     The same structure with plain arrays (or ``ShapeDtypeStruct``s) at the leaves.

@@ -64,10 +64,10 @@ def describe(mesh: AnyMesh | None) -> str:
   return "mesh(" + ", ".join(f"{n}={s} {kinds[n]}" for n, s in mesh.shape.items()) + ")"
 
 
-def entry_axes(entry: Any) -> tuple[str, ...]:
+def entry_mesh_axes(entry: Any) -> tuple[str, ...]:
   """The mesh axes of one ``PartitionSpec`` entry (``None``/``UNCONSTRAINED``: none).
 
-  >>> entry_axes(None), entry_axes('data'), entry_axes(('data', 'fsdp'))
+  >>> entry_mesh_axes(None), entry_mesh_axes('data'), entry_mesh_axes(('data', 'fsdp'))
   ((), ('data',), ('data', 'fsdp'))
   """
   if entry is None or entry is PartitionSpec.UNCONSTRAINED:
@@ -75,10 +75,10 @@ def entry_axes(entry: Any) -> tuple[str, ...]:
   return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def axes_entry(axes: Iterable[str]) -> Any:
-  """The ``PartitionSpec`` entry placing a dim on ``axes`` (the inverse of entry_axes).
+def to_spec_entry(axes: Iterable[str]) -> Any:
+  """The ``PartitionSpec`` entry placing a dim on ``axes`` (the inverse of entry_mesh_axes).
 
-  >>> axes_entry(()), axes_entry(['data']), axes_entry(['data', 'fsdp'])
+  >>> to_spec_entry(()), to_spec_entry(['data']), to_spec_entry(['data', 'fsdp'])
   (None, 'data', ('data', 'fsdp'))
   """
   axes = tuple(axes)

@@ -45,7 +45,7 @@ Add rules for those names, ... or pass strict=True to make this an error.
 >>> audit_placement(tree, axes, specs, rules, mesh, strict=True, api='demo')
 Traceback (most recent call last):
 ...
-partition._params.audit.PlacementError: demo(strict=True): 2 problem(s) in the placement of the parameters:
+partition._base.errors.PlacementError: demo(strict=True): 2 problem(s) in the placement of the parameters:
   mesh: mesh(fsdp=8 Explicit)
   * w dim 0: logical axis 'embd' has no rule (did you mean 'embed'?)
   * w dim 1: logical axis 'mlp' has no rule
@@ -63,9 +63,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._base.errors import PartitionError, did_you_mean, format_message
+from partition._base.errors import PlacementError, did_you_mean, format_message
 from partition._base.logical_axes import dtype_shape
-from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_axes
+from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_mesh_axes
 from partition._params.path_rules import PathMatch, path_str
 from partition._rules.explain import human_bytes
 from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
@@ -89,10 +89,6 @@ PATTERN_FIX = ("Fix or remove the path patterns that match nothing, and put a sh
 SPEC_FIX = ("Mesh axes given directly (nn.with_partitioning, a PartitionSpec) must be axes of "
             "the mesh and divide their dims: fix the name, use a logical name with a rule "
             "instead, or pad the dim.")
-
-
-class PlacementError(PartitionError, ValueError):
-  """``strict=True`` placement found names, paths or dims that would not be sharded as asked."""
 
 
 class ReplicatedWarning(PartitionWarning):
@@ -207,7 +203,7 @@ def _spec_problems(path: str, leaf: Any, axes: Any, sizes: Mapping[str, int]) ->
     return []
   out = []
   for i, entry in enumerate(tuple(axes)):
-    names = entry_axes(entry)
+    names = entry_mesh_axes(entry)
     if not names:
       continue
     missing = [a for a in names if a not in sizes]
@@ -254,7 +250,7 @@ def _is_replicated(leaf: Any, spec: Any, sizes: Mapping[str, int]) -> bool:
   if not leaf.shape or math.prod(sizes.values()) <= 1:
     return False
   for entry in tuple(spec) if isinstance(spec, PartitionSpec) else ():
-    names = entry_axes(entry)
+    names = entry_mesh_axes(entry)
     if math.prod(sizes.get(a, 1) for a in names) > 1:
       return False
   return True

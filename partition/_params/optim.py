@@ -12,7 +12,7 @@ axes, other fields ``None``), e.g. for checkpoint-restore targets.
 >>> import jax, jax.numpy as jnp, optax, partition
 >>> mesh = jax.make_mesh((4, 2), ('fsdp', 'tensor'))
 >>> rules = partition.AxisRules([('embed', 'fsdp'), ('mlp', 'tensor')])
->>> params = {'w': partition.Annotated(jnp.zeros((8, 4)), ('embed', 'mlp'))}
+>>> params = {'w': partition.WithAxes(jnp.zeros((8, 4)), ('embed', 'mlp'))}
 >>> state = partition.optimizer_init(optax.adam(1e-3), params, rules=rules, mesh=mesh)
 >>> state[0].mu['w'].sharding.spec, state[0].count.sharding.spec
 (P('fsdp', 'tensor'), P())
@@ -88,7 +88,7 @@ def optimizer_axes(tx: Any, params: Any, *, param_axes: Any = None) -> Any:
 
   Args:
     tx: an optax ``GradientTransformation`` (chains, ``optax.masked`` included).
-    params: the parameters (boxed, ``Annotated`` or plain arrays / ``ShapeDtypeStruct``s).
+    params: the parameters (boxed, ``WithAxes`` or plain arrays / ``ShapeDtypeStruct``s).
     param_axes: default ``partition.logical_axes(params)``; or a path table (a
       :class:`partition.PathRules` or a list of ``(regex, axes)`` pairs, as in the adapters);
       or the parameters' logical-axes tree itself.
@@ -111,7 +111,7 @@ def optimizer_init(tx: Any, params: Any, *, param_axes: Any = None, rules: Any =
   Args:
     tx: an optax ``GradientTransformation`` (chains, ``optax.masked`` included).
     params: the parameters: linen variables' ``params`` (boxed or not), an ``nnx.State``,
-      Haiku params, ``Annotated`` boxes or plain arrays.
+      Haiku params, ``WithAxes`` boxes or plain arrays.
     param_axes: default ``partition.logical_axes(params)``; or a path table (a
       :class:`partition.PathRules` or a list of ``(regex, axes)`` pairs, as in the adapters);
       or the parameters' logical-axes tree itself.

@@ -7,7 +7,7 @@ params — and the first pattern that matches anywhere in it (``re.search``; anc
 ``^``/``$``) gives the parameter's logical axes. ``None`` as axes means "matched, leave it
 replicated"; a tuple shorter than the parameter's rank is a prefix (trailing dims
 replicated), as in flax. Parameters that already declare axes (linen boxes, T5X
-``params_axes``, NNX ``out_sharding``, :class:`partition.Annotated`) keep them and the table
+``params_axes``, NNX ``out_sharding``, :class:`partition.WithAxes`) keep them and the table
 only fills in the rest — unless it is built with ``override=True``, in which case a matching
 pattern replaces the declared axes (the escape hatch for models whose own annotations do not
 suit your mesh).
@@ -34,7 +34,7 @@ import jax
 
 from partition._base.errors import PartitionError, format_message
 from partition._base.logical_axes import (
-  Annotated,
+  WithAxes,
   _graph_state,
   _is_nnx_variable,
   _t5x_tables,
@@ -141,7 +141,7 @@ class PathRules:
     >>> import partition
     >>> partition.PathRules({r'kernel$': ('embed', 'mlp'), r'bias$': None})
     PathRules([('kernel$', ('embed', 'mlp')), ('bias$', None)])
-    >>> declared = {'kernel': partition.Annotated(jnp.zeros((4, 8)), ('embed', 'mlp'))}
+    >>> declared = {'kernel': partition.WithAxes(jnp.zeros((4, 8)), ('embed', 'mlp'))}
     >>> partition.PathRules([(r'kernel$', (None, 'mlp'))], override=True).axes(declared)
     {'kernel': (None, 'mlp')}
   """
@@ -283,11 +283,11 @@ class PathRules:
     return report.axes
 
   def annotate(self, tree: Any, *, strict: bool = False) -> Any:
-    """``tree`` with each matched plain parameter wrapped in :class:`partition.Annotated`.
+    """``tree`` with each matched plain parameter wrapped in :class:`partition.WithAxes`.
 
     NNX Variables get the axes as ``out_sharding`` metadata (on a copy) instead; declared
     parameters and unmatched ones are returned unchanged. With ``override=True``, matched
-    :class:`Annotated` boxes and NNX Variables get the table's axes instead of their own
+    :class:`WithAxes` boxes and NNX Variables get the table's axes instead of their own
     (linen boxes are left as they are: :meth:`axes` reports the override for them).
     """
     axes_tree = self.axes(tree, strict=strict)
@@ -298,9 +298,9 @@ class PathRules:
         return leaf
       if _is_nnx_variable(leaf):
         return leaf.copy(out_sharding=axes)
-      if isinstance(leaf, Annotated):
-        return Annotated(leaf.value, axes)
-      return leaf if is_param_leaf(leaf) else Annotated(leaf, axes)
+      if isinstance(leaf, WithAxes):
+        return WithAxes(leaf.value, axes)
+      return leaf if is_param_leaf(leaf) else WithAxes(leaf, axes)
 
     return jax.tree.map(box, tree, axes_tree, is_leaf=is_param_leaf)
 

@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base.errors import MeshError, PartitionError, format_message
 from partition._base.logical_axes import path_str
-from partition._base.mesh import AnyMesh, axes_entry, describe, entry_axes, explicit_axes
+from partition._base.mesh import AnyMesh, describe, entry_mesh_axes, explicit_axes, to_spec_entry
 from partition._rules.config import RulesError, RulesTypeError, short
 from partition._rules.context import current_rules, current_rules_mesh
 from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
@@ -143,7 +143,7 @@ def _only(spec: PartitionSpec, axes: frozenset[str]) -> PartitionSpec:
   def keep(entry):
     if entry is None or entry is PartitionSpec.UNCONSTRAINED:
       return entry
-    return axes_entry(a for a in entry_axes(entry) if a in axes)
+    return to_spec_entry(a for a in entry_mesh_axes(entry) if a in axes)
   return PartitionSpec(*(keep(e) for e in spec))
 
 

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 
 from partition._base.errors import did_you_mean, format_message
 from partition._base.logical_axes import LogicalAxesError, path_str
-from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_axes
+from partition._base.mesh import AnyMesh, axis_sizes, describe, entry_mesh_axes
 from partition._rules.constrain import NoRulesError
 from partition._rules.context import current_rules, current_rules_mesh
 from partition._rules.resolve import FIRED, Resolution
@@ -118,7 +118,7 @@ def human_bytes(n: int) -> str:
 def _shard_bytes(shape, spec: PartitionSpec, mesh_sizes, itemsize: int) -> int:
   shard = list(shape)
   for i, entry in enumerate(tuple(spec)[:len(shape)]):
-    names = entry_axes(entry)
+    names = entry_mesh_axes(entry)
     shard[i] = -(-shard[i] // math.prod(mesh_sizes.get(a, 1) for a in names))
   return math.prod(shard) * itemsize
 

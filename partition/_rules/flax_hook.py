@@ -13,7 +13,7 @@ import contextlib
 import sys
 from typing import Any
 
-from partition._base.mesh import AnyMesh, axes_entry
+from partition._base.mesh import AnyMesh, to_spec_entry
 from partition._base.resources import SerialLoop
 from partition._rules.scope import RulesHook
 
@@ -40,7 +40,7 @@ def flax_rules(rules: Any, mesh: AnyMesh | None = None) -> tuple:
     axes = [a for a in value or () if not isinstance(a, SerialLoop)]
     if sizes is not None:
       axes = [a for a in axes if a in sizes]
-    out.append((name, axes_entry(axes)))
+    out.append((name, to_spec_entry(axes)))
   return tuple(out)
 
 
@@ -53,7 +53,7 @@ def without_mesh_axes(flax_table: Any, mesh_axes: frozenset[str]) -> tuple:
   out = []
   for name, value in flax_table or ():
     axes = (value,) if isinstance(value, str) else tuple(value or ())
-    out.append((name, axes_entry([a for a in axes if a not in mesh_axes])))
+    out.append((name, to_spec_entry([a for a in axes if a not in mesh_axes])))
   return tuple(out)
 
 

@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from jax.sharding import PartitionSpec
 
 from partition._base.errors import did_you_mean, format_message
-from partition._base.mesh import axes_entry
+from partition._base.mesh import to_spec_entry
 from partition._base.resources import SerialLoop
 from partition._rules.config import Resource, RulesError, Value
 
@@ -112,7 +112,7 @@ def _show(value: Value) -> str:
 def _entry(d: DimResolution):
   if not isinstance(d.logical, str):
     return d.logical  # None or PartitionSpec.UNCONSTRAINED pass through, as in flax
-  return axes_entry(r for r in d.resources or () if isinstance(r, str))
+  return to_spec_entry(r for r in d.resources or () if isinstance(r, str))
 
 
 class _Dim:

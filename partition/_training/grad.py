@@ -82,7 +82,7 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
     param_axes: logical axes of the parameters (a matching tree of tuples, ``None`` for "as
       the parameter is"), or a path table (``partition.PathRules`` or a list of ``(regex,
       axes)`` pairs); default: read from the tree
-      with ``partition.logical_axes`` (flax boxes, ``partition.Annotated``), else each
+      with ``partition.logical_axes`` (flax boxes, ``partition.WithAxes``), else each
       parameter's own sharding (a committed array's, read before the jitted step; inside an
       enclosing ``jax.jit`` only Explicit axes show it).
     rules: an ``AxisRules`` (or pairs / a file path); default: the ``partition.axis_rules``
@@ -440,7 +440,7 @@ def _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh):
   x = leaves[0][1]
   spec = rules.spec(axes_leaves[0], np.shape(x), mesh)
   entry = tuple(spec)[dims[0]] if len(spec) > dims[0] else None
-  return _mesh.entry_axes(entry), loops
+  return _mesh.entry_mesh_axes(entry), loops
 
 
 def _param_specs(param_axes, params, rules, mesh):
@@ -479,7 +479,7 @@ def _own_spec(leaf, mesh) -> PartitionSpec | None:
       return None
   spec = sharding.spec
   names = set(getattr(mesh, "axis_names", ()))
-  return spec if all(a in names for e in spec for a in _mesh.entry_axes(e)) else None
+  return spec if all(a in names for e in spec for a in _mesh.entry_mesh_axes(e)) else None
 
 
 def _unknown_paths(param_specs) -> list[str]:

@@ -88,7 +88,7 @@ def pipeline_iterations(stages: int, microbatches: int, repeats: int = 1) -> int
 
 
 @dataclasses.dataclass(frozen=True)
-class PipelinePlan:
+class PipelineShape:
   """The static shape of one pipeline call (also what ``explain`` reports)."""
 
   stage_axis: str | None
@@ -112,7 +112,7 @@ class PipelinePlan:
   def stage_layers(self, stage: int) -> tuple[int, ...]:
     """The stack indices of the layers stage ``stage`` applies, in the order it applies them.
 
-    >>> PipelinePlan('stage', 2, 2, 4, 8).stage_layers(1)
+    >>> PipelineShape('stage', 2, 2, 4, 8).stage_layers(1)
     (2, 3, 6, 7)
     """
     k = self.layers_per_chunk
@@ -125,7 +125,7 @@ class PipelinePlan:
     Stage ``s`` at iteration ``t`` holds item ``k = t - s`` (micro-batch ``k mod m`` on its
     ``k // m``-th trip round the ring) when ``0 <= k < r m``; the program runs exactly this.
 
-    >>> PipelinePlan('stage', 2, 1, 2, 2).schedule()
+    >>> PipelineShape('stage', 2, 1, 2, 2).schedule()
     (((0, 0), None), ((1, 0), (0, 0)), (None, (1, 0)))
     """
     total = self.repeats * self.microbatches
@@ -141,7 +141,7 @@ class PipelinePlan:
     trip round the ring as a letter (``0a`` = micro-batch 0, first trip). The backward pass
     is the same picture run from right to left.
 
-    >>> print(PipelinePlan('stage', 2, 1, 3, 2).diagram())
+    >>> print(PipelineShape('stage', 2, 1, 3, 2).diagram())
     stage 0 |  0  1  2  .
     stage 1 |  .  0  1  2
     """
@@ -158,7 +158,7 @@ class PipelinePlan:
     return "\n".join(rows)
 
   def __repr__(self) -> str:
-    return (f"PipelinePlan(stage_axis={self.stage_axis!r}, stages={self.stages}, "
+    return (f"PipelineShape(stage_axis={self.stage_axis!r}, stages={self.stages}, "
             f"repeats={self.repeats}, microbatches={self.microbatches}, "
             f"layers={self.num_layers}, iterations={self.iterations}, "
             f"bubble={self.bubble:.3f})")
@@ -244,7 +244,7 @@ def stage_axis(rules: Any = None, mesh: jax.sharding.Mesh | None = None,
 # -- the schedule ---------------------------------------------------------------------------
 
 
-def _stage_program(layer: Callable, plan: PipelinePlan) -> Callable:
+def _stage_program(layer: Callable, plan: PipelineShape) -> Callable:
   """The per-stage program (inside ``shard_map``, manual over the stage axis)."""
   p, r, m, stage = plan.stages, plan.repeats, plan.microbatches, plan.stage_axis
   shift = [(i, (i + 1) % p) for i in range(p)]
@@ -304,7 +304,7 @@ def _apply_stack(layer: Callable, stacked: Any, h: Any, consts: tuple) -> Any:
   return lax.scan(lambda c, lp: (layer(lp, c, *consts), None), h, stacked)[0]
 
 
-def _circular_chunks(local_params: Any, plan: PipelinePlan) -> Any:
+def _circular_chunks(local_params: Any, plan: PipelineShape) -> Any:
   """This stage's layers as ``[r, L/(p r), ...]``: chunk ``rep`` = stack chunk ``rep p + s``.
 
   The ``layers -> stage`` sharding gives stage ``a`` the contiguous chunks ``a r .. a r + r
@@ -446,7 +446,7 @@ def _plan(layer_fn, params, x, microbatches, repeats, stage_axis, mesh, rules, l
   stage_axis = _stage_axis(stage_axis, rules, mesh, layers_axis, api)
   stages = 1 if stage_axis is None else dict(mesh.shape)[stage_axis]
   microbatches = stages if microbatches is None else microbatches
-  plan = PipelinePlan(stage_axis if stages > 1 else None, stages, repeats, microbatches,
+  plan = PipelineShape(stage_axis if stages > 1 else None, stages, repeats, microbatches,
                       num_layers)
   if plan.stage_axis is None:
     return plan, mesh
@@ -503,7 +503,7 @@ def _stage_axis(stage_axis, rules, mesh, layers_axis, api) -> str | None:
   return stage_axis
 
 
-def _check_counts(plan: PipelinePlan, x, api: str) -> None:
+def _check_counts(plan: PipelineShape, x, api: str) -> None:
   p, r, m, n = plan.stages, plan.repeats, plan.microbatches, plan.num_layers
   context = [f"stage axis {plan.stage_axis!r}: {p} stages, repeats={r}, "
              f"microbatches={m}, {n} layers"]

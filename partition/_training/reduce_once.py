@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._base.mesh import axes_entry, entry_axes
+from partition._base.mesh import entry_mesh_axes, to_spec_entry
 from partition._rules.context import axis_rules
 from partition._rules.table import AxisRules
 
@@ -43,7 +43,7 @@ _PLACEHOLDER = "{}@device_shard"
 
 def uses_axes(spec: PartitionSpec | None, axes: Sequence[str]) -> bool:
   """Does ``spec`` shard some dim over one of the mesh ``axes``?"""
-  return spec is not None and any(a in axes for e in spec for a in entry_axes(e))
+  return spec is not None and any(a in axes for e in spec for a in entry_mesh_axes(e))
 
 
 def reduce_once_step(loss_fn: Callable, has_aux: bool, params: Any, batch: Any,
@@ -144,7 +144,7 @@ def _without(spec: PartitionSpec | None, axes: Sequence[str], ndim: int) -> list
   """``spec``'s entries with the mesh ``axes`` removed (those dims then held whole)."""
   out = []
   for e in _entries(spec, ndim):
-    out.append(axes_entry(a for a in entry_axes(e) if a not in axes))
+    out.append(to_spec_entry(a for a in entry_mesh_axes(e) if a not in axes))
   return out
 
 

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base import mesh as _mesh
 from partition._base.errors import ResourceError, format_message
-from partition._base.mesh import axes_entry, entry_axes
+from partition._base.mesh import entry_mesh_axes, to_spec_entry
 from partition._xmap.layout import MapLayout
 from partition._xmap.specs import AxisSpec, Logical
 
@@ -74,7 +74,7 @@ def _check_stated(layout, spec, entries, shape, where, fun) -> None:
   taken = named_mesh_axes(layout, spec)
   problems, seen = [], set()
   for d, entry in enumerate(entries):
-    axes = entry_axes(entry)
+    axes = entry_mesh_axes(entry)
     missing = [a for a in axes if a not in sizes]
     if missing:
       problems.append(f"positional dim {d} uses mesh axes {missing} that the mesh "
@@ -117,7 +117,7 @@ def typed_entries(layout: MapLayout, spec: AxisSpec, pspec: PartitionSpec, ndim:
   named dims now take."""
   taken = named_mesh_axes(layout, spec)
   full = tuple(pspec) + (None,) * (ndim - len(pspec))
-  return tuple(axes_entry([a for a in entry_axes(full[d]) if a not in taken])
+  return tuple(to_spec_entry([a for a in entry_mesh_axes(full[d]) if a not in taken])
                for d in range(ndim) if d not in spec.dims)
 
 

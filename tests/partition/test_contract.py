@@ -142,7 +142,7 @@ def test_equal_weights_same_outputs_on_mesh_as_on_one_device():
   ref = np.maximum(np.asarray(x) @ w["layer1"]["kernel"] + w["layer1"]["bias"], 0)
   ref = ref @ w["layer2"]["kernel"] + w["layer2"]["bias"]
   f = hk.transform(haiku_mlp)
-  with partition.flax.axis_rules(RULES, mesh), jax.set_mesh(mesh):
+  with partition.axis_rules(RULES, mesh), jax.set_mesh(mesh):
     outs = {"linen": jax.jit(lambda v, x: LinenMLP().apply(v, x))(linen, x),
             "nnx": nnx.jit(lambda m, x: m(x))(model, x),
             "haiku": jax.jit(lambda p, x: f.apply(p, None, x))(haiku, x)}
@@ -176,7 +176,7 @@ def _compiled_init(framework, mesh, x):
       with nnx.use_eager_sharding(False):
         return nnx.state(build())
     args = ()
-  with partition.flax.axis_rules(RULES, mesh):
+  with partition.axis_rules(RULES, mesh):
     compiled = jax.jit(fn, out_shardings=get(ab)).lower(*args).compile()
   return ab, compiled
 

@@ -200,9 +200,15 @@ def test_init_sharded_argument_errors():
     partition.flax.explain(nnx_model, jax.random.key(0), x, rules=RULES, mesh=mesh)
 
 
-@pytest.mark.parametrize("context", [partition.axis_rules, partition.flax.axis_rules],
-                         ids=["partition.axis_rules", "partition.flax.axis_rules"])
-def test_flax_own_constraint_takes_effect_under_axis_rules(context):
+def test_flax_axis_rules_is_a_deprecated_alias_of_partition_axis_rules():
+  with pytest.warns(DeprecationWarning, match=r"partition\.flax\.axis_rules is deprecated .*"
+                    r"use partition\.axis_rules \(it sets flax's nn\.logical_axis_rules too\)"):
+    alias = partition.flax.axis_rules
+  assert alias is partition.axis_rules
+
+
+def test_flax_own_constraint_takes_effect_under_axis_rules():
+  context = partition.axis_rules
   mesh = _mesh((4, 2), AxisType.Auto)
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,

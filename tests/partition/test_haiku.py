@@ -99,7 +99,7 @@ def test_param_axes_from_inside_transform_creator_and_getter():
 def test_annotate_gives_boxes_logical_axes_reads():
   boxed = partition.haiku.annotate(hk.transform(stock), jax.random.key(0), jnp.ones((4, 8)),
                                    param_axes=TABLE)
-  assert isinstance(boxed["mlp/~/linear_0"]["w"], partition.Annotated)
+  assert isinstance(boxed["mlp/~/linear_0"]["w"], partition.WithAxes)
   assert partition.logical_axes(boxed)["mlp/~/linear_0"] == {"w": ("embed", "mlp"),
                                                               "b": ("mlp",)}
   assert partition.unbox(boxed)["mlp/~/linear_1"]["b"].shape == (8,)

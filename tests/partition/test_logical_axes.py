@@ -1,4 +1,4 @@
-"""partition.logical_axes: linen boxes, NNX metadata (incl. deprecated keys), Annotated."""
+"""partition.logical_axes: linen boxes, NNX metadata (incl. deprecated keys), WithAxes."""
 
 import pathlib
 import subprocess
@@ -80,19 +80,19 @@ def test_nnx_metadata_dict_with_deprecated_key_only():
 
 
 def test_annotated_box_and_unbox():
-  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed", "mlp")), "b": jnp.ones(3)}
+  tree = {"w": partition.WithAxes(jnp.ones((2, 3)), ("embed", "mlp")), "b": jnp.ones(3)}
   assert partition.logical_axes(tree) == {"w": ("embed", "mlp"), "b": None}
   plain = partition.unbox(tree)
-  assert plain["w"].shape == (2, 3) and not isinstance(plain["w"], partition.Annotated)
-  assert repr(tree["w"]) == "Annotated(f32[2,3], names=('embed', 'mlp'))"
+  assert plain["w"].shape == (2, 3) and not isinstance(plain["w"], partition.WithAxes)
+  assert repr(tree["w"]) == "WithAxes(f32[2,3], names=('embed', 'mlp'))"
   doubled = jax.jit(lambda t: jax.tree.map(lambda x: 2 * x, t))(tree)
   assert doubled["w"].names == ("embed", "mlp")
   assert float(doubled["w"].value[0, 0]) == 2.0
 
 
 def test_too_many_names_names_every_path():
-  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed", "mlp", "kv")),
-          "v": {"k": partition.Annotated(jnp.ones(3), ("a", "b"))}}
+  tree = {"w": partition.WithAxes(jnp.ones((2, 3)), ("embed", "mlp", "kv")),
+          "v": {"k": partition.WithAxes(jnp.ones(3), ("a", "b"))}}
   with pytest.raises(ValueError, match=r"2 parameter\(s\) declare more") as e:
     partition.logical_axes(tree)
   msg = str(e.value)
@@ -113,7 +113,7 @@ def test_short_names_are_a_prefix_like_flax():
   # Independent reference: flax's spec for the declared (short) names, padded by JAX.
   ref = nn.logical_to_mesh_axes(("embed", "kv"), rules)
   assert partition.AxisRules(rules).spec(axes) == P(*ref, None)
-  tree = {"w": partition.Annotated(jnp.ones((2, 3)), ("embed",))}
+  tree = {"w": partition.WithAxes(jnp.ones((2, 3)), ("embed",))}
   assert partition.logical_axes(tree) == {"w": ("embed", None)}
 
 
@@ -145,11 +145,11 @@ def test_t5x_param_with_axes_metadata_is_read():
 
 def test_annotated_rejects_a_str_instead_of_names():
   with pytest.raises(TypeError, match=r"Write \('em',\) for one dim") as e:
-    partition.Annotated(jnp.ones(4), "em")
+    partition.WithAxes(jnp.ones(4), "em")
   assert "letters ('e', 'm')" in str(e.value)
   assert isinstance(e.value, partition.PartitionError)
   with pytest.raises(TypeError, match=r"tuple of names \(str or None\), got \('a', 3\)"):
-    partition.Annotated(jnp.ones((4, 4)), ("a", 3))
+    partition.WithAxes(jnp.ones((4, 4)), ("a", 3))
 
 
 def test_plain_tree_is_all_none():

@@ -19,7 +19,7 @@ RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")]
 
 
 class MLP(nnx.Module):
-  """Annotated the NNX way: out_sharding metadata on the Variables."""
+  """WithAxes the NNX way: out_sharding metadata on the Variables."""
 
   def __init__(self, rngs):
     self.up = nnx.Linear(8, 16, rngs=rngs, kernel_metadata={"out_sharding": ("embed", "mlp")},
@@ -157,7 +157,7 @@ def test_path_table_for_stock_modules_and_annotate():
   assert model.layers[1].kernel[...].sharding.spec == P("tensor", "fsdp")
   with nnx.use_eager_sharding(False):
     plain = build()
-  partition.nnx.annotate(plain, table)
+  partition.nnx.declare_axes(plain, table)
   assert plain.layers[1].kernel.get_metadata()["out_sharding"] == ("mlp", "embed")
 
 

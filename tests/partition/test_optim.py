@@ -27,7 +27,7 @@ def make_params(key=0):
 
 
 def boxed(params):
-  return {n: v if AXES[n] is None else partition.Annotated(v, AXES[n])
+  return {n: v if AXES[n] is None else partition.WithAxes(v, AXES[n])
           for n, v in params.items()}
 
 

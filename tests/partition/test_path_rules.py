@@ -50,7 +50,7 @@ def test_nnx_state_paths_and_annotate():
 
 
 def test_declared_axes_win_and_unmatched_reported():
-  tree = {"a": {"kernel": partition.Annotated(jnp.ones((2, 3)), ("x", "y"))},
+  tree = {"a": {"kernel": partition.WithAxes(jnp.ones((2, 3)), ("x", "y"))},
           "norm": {"scale": jnp.ones(3)}}
   report = TABLE.match(tree)
   assert report.axes == {"a": {"kernel": ("x", "y")}, "norm": {"scale": None}}
@@ -61,9 +61,9 @@ def test_declared_axes_win_and_unmatched_reported():
 def test_annotate_boxes_plain_leaves():
   tree = {"dense": {"kernel": np.ones((2, 3)), "other": np.ones(2)}}
   boxed = TABLE.annotate(tree)
-  assert isinstance(boxed["dense"]["kernel"], partition.Annotated)
+  assert isinstance(boxed["dense"]["kernel"], partition.WithAxes)
   assert boxed["dense"]["kernel"].names == ("embed", "mlp")
-  assert not isinstance(boxed["dense"]["other"], partition.Annotated)
+  assert not isinstance(boxed["dense"]["other"], partition.WithAxes)
 
 
 def test_first_match_wins_and_none_replicates():
@@ -93,7 +93,7 @@ def test_short_pattern_axes_are_a_prefix():
 
 
 def test_override_replaces_declared_axes_only_when_asked():
-  tree = {"a": {"kernel": partition.Annotated(jnp.ones((2, 3)), ("x", "y"))},
+  tree = {"a": {"kernel": partition.WithAxes(jnp.ones((2, 3)), ("x", "y"))},
           "b": {"kernel": jnp.ones((2, 3))}}
   pairs = [(r"kernel$", ("embed", "mlp"))]
   assert partition.PathRules(pairs).axes(tree)["a"]["kernel"] == ("x", "y")

@@ -171,7 +171,7 @@ def test_loop_runs_r_m_plus_p_minus_1_iterations(num_layers, stages, repeats, mi
   hlo = compiled_text(num_layers, stages, repeats, "data", microbatches)
   trips = [int(n) for n in TRIP_COUNT.findall(hlo)]
   want = repeats * microbatches + stages - 1
-  assert want == partition.PipelinePlan("stage", stages, repeats, microbatches,
+  assert want == partition.PipelineShape("stage", stages, repeats, microbatches,
                                         num_layers).iterations
   # one loop forward, its transpose backward
   assert trips.count(want) == 2, trips
@@ -279,7 +279,7 @@ def test_composes_with_value_and_grad():
 
 
 def test_plan_and_bubble():
-  plan = partition.PipelinePlan("stage", 4, 2, 8, 16)
+  plan = partition.PipelineShape("stage", 4, 2, 8, 16)
   assert plan.iterations == 2 * 8 + 4 - 1
   assert plan.bubble == pytest.approx(3 / 19)
   assert partition.pipeline_bubble(4, 4) == pytest.approx(3 / 7)
@@ -351,7 +351,7 @@ def test_error_leaves_disagree_and_bad_remat_policy():
 
 @pytest.mark.parametrize("stages,repeats,microbatches", [(4, 1, 8), (4, 2, 4), (2, 3, 5)])
 def test_schedule_visits_every_chunk_once_in_order(stages, repeats, microbatches):
-  plan = partition.PipelinePlan("stage", stages, repeats, microbatches, stages * repeats)
+  plan = partition.PipelineShape("stage", stages, repeats, microbatches, stages * repeats)
   grid = plan.schedule()
   assert len(grid) == plan.iterations
   # micro-batch i on its trip k reaches stage s exactly once, one iteration after stage s-1
@@ -374,8 +374,8 @@ def test_schedule_visits_every_chunk_once_in_order(stages, repeats, microbatches
 def test_docs_diagrams_are_the_plans():
   import pathlib
   text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
-  assert partition.PipelinePlan("stage", 4, 1, 8, 8).diagram() in text
-  assert partition.PipelinePlan("stage", 4, 2, 4, 8).diagram() in text
+  assert partition.PipelineShape("stage", 4, 1, 8, 8).diagram() in text
+  assert partition.PipelineShape("stage", 4, 2, 4, 8).diagram() in text
 
 
 @pytest.mark.parametrize("stages", [2, 4, 8])
