@@ -38,14 +38,17 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from partition._base.errors import MeshError, did_you_mean, format_message
+from partition._base.errors import MeshError, did_you_mean, format_message, short
 from partition._base.logical_axes import path_str
 from partition._base.mesh import AnyMesh, axis_sizes
 from partition._base.resources import SerialLoop, named_loops
-from partition._rules import config as _config
-from partition._rules.config import Resource, RulesError, RulesTypeError, Value, short
+from partition._rules import files as _files
+from partition._rules import schema as _schema
+from partition._rules.errors import RulesError, RulesTypeError
 from partition._rules.fallbacks import PartitionWarning
+from partition._rules.overrides import OVERRIDE_FIX, collect_overrides
 from partition._rules.resolve import Resolution, resolve
+from partition._rules.schema import Resource, Value
 from partition._rules.scope import current_rules_mesh
 
 LogicalAxes = Sequence[str | None] | None
@@ -129,7 +132,7 @@ class AxisRules:
           f"got {type(pairs).__name__} {short(pairs)}. Write e.g. "
           "AxisRules([('batch', 'data')]) or AxisRules.from_file('rules.yaml').")
     else:
-      canon, problems = _config.parse_entries(
+      canon, problems = _schema.parse_entries(
           pairs if isinstance(pairs, Mapping) else list(pairs), "pairs")
       if problems:
         raise RulesTypeError(format_message(
@@ -158,15 +161,15 @@ class AxisRules:
       AxisRules([('batch', 'data'), ('kv', None)])
     """
     if key is None:
-      pairs, problems = _config.parse_document(d)
+      pairs, problems = _schema.parse_document(d)
     else:
-      _config.key_parts(key, RulesTypeError)
-      value, label = _config.select(d, key, "AxisRules.from_dict")
-      pairs, problems = _config.parse_selected(value, label, d)
+      _schema.key_parts(key, RulesTypeError)
+      value, label = _schema.select(d, key, "AxisRules.from_dict")
+      pairs, problems = _schema.parse_selected(value, label, d)
     if problems:
       raise (RulesTypeError if not isinstance(d, Mapping) else RulesError)(format_message(
           "AxisRules.from_dict got an invalid document:", bullets=problems,
-          fix=_config.ENTRY_FIX))
+          fix=_schema.ENTRY_FIX))
     return cls(pairs)
 
   @classmethod
@@ -185,7 +188,7 @@ class AxisRules:
       RulesConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
         twice, nesting deeper than 64 levels, unknown keys, malformed entries.
     """
-    return cls(_config.load(path, format=format, key=key)["rules"])
+    return cls(_files.load(path, format=format, key=key)["rules"])
 
   def to_dict(self) -> dict[str, Any]:
     """``{'rules': [[name, mesh_axes], ...]}`` with plain str/list/None/dict values."""
@@ -198,7 +201,7 @@ class AxisRules:
     to a temporary file that replaces ``path`` only when complete, so a failed call leaves
     an existing file byte-identical.
     """
-    _config.dump(self.to_dict(), path, format=format)
+    _files.dump(self.to_dict(), path, format=format)
 
   def override(self, *overrides: str | Sequence[str] | tuple[str, Any] | Mapping[str, Any],
                **entries: Any) -> AxisRules:
@@ -218,11 +221,11 @@ class AxisRules:
       >>> rules.override(['mlp=fsdp', 'kv=null'], 'batch=data,serial_loop:2')
       AxisRules([('batch', ('data', SerialLoop(2))), ('mlp', 'fsdp'), ('kv', None)])
     """
-    new, problems, type_error = _collect_overrides(overrides, entries)
+    new, problems, type_error = collect_overrides(overrides, entries)
     if problems:
       raise (RulesTypeError if type_error else RulesError)(format_message(
           f"AxisRules.override got {len(problems)} invalid override(s):", bullets=problems,
-          fix=_config.OVERRIDE_FIX))
+          fix=OVERRIDE_FIX))
     pairs, placed = [], set()
     for name, value in self.pairs:
       if name in new:
@@ -374,47 +377,6 @@ def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) 
 
 
 # -- argument checks ----------------------------------------------------------------------------
-
-
-def _collect_overrides(overrides: tuple, entries: Mapping[str, Any]
-                       ) -> tuple[dict[str, Value], list[str], bool]:
-  """``({name: value}, problems, any type error)`` of all overrides of one call."""
-  new: dict[str, Value] = {}
-  problems: list[str] = []
-  type_error = False
-
-  def add(pairs):
-    new.update(dict(pairs))
-
-  for i, item in enumerate(overrides):
-    if isinstance(item, str):
-      pair, bad = _config.parse_override(item)
-      problems += bad
-      add([pair] if pair else [])
-    elif isinstance(item, (list, tuple)) and item and all(
-        isinstance(t, str) and "=" in t for t in item):
-      for text in item:  # a list of CLI strings, as argparse's nargs/append give them
-        pair, bad = _config.parse_override(text)
-        problems += bad
-        add([pair] if pair else [])
-    elif isinstance(item, Mapping) or (
-        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
-      pairs = list(item.items()) if isinstance(item, Mapping) else [tuple(item)]
-      eq = [n for n, _ in pairs if isinstance(n, str) and "=" in n]
-      problems += [f"override #{i}: logical name {n!r} contains '=': pass 'name=axes' "
-                   "strings on their own (or a list of them), not inside a pair" for n in eq]
-      good, bad = _config.parse_entries([p for p in pairs if p[0] not in eq],
-                                        f"override #{i}")
-      problems += bad
-      add(good)
-    else:
-      type_error = True
-      problems.append(f"override #{i} {short(item)}: expected a 'name=axes' str, a list of "
-                      f"them, a (name, axes) pair or a mapping, got {type(item).__name__}")
-  good, bad = _config.parse_entries(list(entries.items()), "keyword")
-  problems += bad
-  add(good)
-  return new, problems, type_error
 
 
 def _check_flag(value: Any, arg: str, api: str) -> None:
