@@ -252,6 +252,77 @@ class AxisRules:
     """Logical names with at least one rule, in first-appearance order."""
     return tuple(dict.fromkeys(n for n, _ in self.pairs))
 
+  @property
+  def mesh_axes(self) -> tuple[str, ...]:
+    """Every mesh axis the rules name, in the order they first appear.
+
+    A mesh for these rules needs these axes (size 1 where one is unused on purpose). The
+    table alone cannot tell a mesh axis from a loop name bound by
+    :func:`partition.serial_loop`, so such a name is listed too.
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', 'fsdp')), ('mlp', 'tensor'),
+      ...                              ('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('kv', None)])
+      >>> rules.mesh_axes
+      ('data', 'fsdp', 'tensor')
+    """
+    return tuple(dict.fromkeys(
+        r for _, value in self.pairs for r in value or () if isinstance(r, str)))
+
+  @property
+  def serial_loops(self) -> dict[str, SerialLoop]:
+    """``{logical_name: SerialLoop}`` of the names whose first rule ends in a serial loop.
+
+    A name's first rule is the one resolution tries first; a later rule (a fallback) fires
+    only where the first cannot (its mesh axes times the loop length do not divide the
+    size), so this is the loop an xmap axis of that name runs on divisible sizes: the
+    number of micro-batches the table asks for. A loop that only a fallback names is not
+    listed (:meth:`without_serial_loops` removes it all the same).
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('batch', 'data'), ('mb', {'serial_loop': 2})])
+      >>> rules.serial_loops
+      {'batch': SerialLoop(4), 'mb': SerialLoop(2)}
+      >>> rules.serial_loops.get('embed', partition.SerialLoop(1)).length
+      1
+    """
+    first: dict[str, Value] = {}
+    for name, value in self.pairs:
+      first.setdefault(name, value)
+    return {name: value[-1] for name, value in first.items()
+            if value and isinstance(value[-1], SerialLoop)}
+
+  def without_serial_loops(self, *names: str) -> AxisRules:
+    """A copy without the serial loops of the rules of ``names`` (none given: every rule).
+
+    Array shardings do not change (they ignore loops): a rule that was only a loop becomes
+    ``None``, which still claims the dim, replicated. For xmap axes the loops are gone, as
+    where an explicit micro-batch count replaces the loop a preset gives ``batch``.
+
+    Raises:
+      RulesTypeError: a name that is not a str.
+      RulesError: a name without a rule (with a did-you-mean).
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('mb', partition.SerialLoop(2))])
+      >>> rules.without_serial_loops()
+      AxisRules([('batch', 'data'), ('mb', None)])
+      >>> rules.without_serial_loops('mb').serial_loops
+      {'batch': SerialLoop(4)}
+    """
+    _check_names(names, self.names, "AxisRules.without_serial_loops")
+    chosen = set(names or self.names)
+    return AxisRules([
+        (n, v if n not in chosen or v is None
+         else tuple(r for r in v if not isinstance(r, SerialLoop)) or None)
+        for n, v in self.pairs])
+
   def __repr__(self) -> str:
     body = ", ".join(f"({n!r}, {_value_repr(v)})" for n, v in self.pairs)
     return f"AxisRules([{body}])"
@@ -377,6 +448,22 @@ def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) 
 
 
 # -- argument checks ----------------------------------------------------------------------------
+
+
+def _check_names(names: tuple, known: Sequence[str], api: str) -> None:
+  """Every problem of ``names`` (logical names that must have a rule) in one message."""
+  wrong_type = [f"names[{i}] is {type(n).__name__} {short(n)}; a logical name is a str"
+                for i, n in enumerate(names) if not isinstance(n, str)]
+  if wrong_type:
+    raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=wrong_type,
+                                        fix="Pass logical names as str, e.g. 'batch'."))
+  unknown = [f"{n!r} has no rule{did_you_mean(n, known)}" for n in dict.fromkeys(names)
+             if n not in known]
+  if unknown:
+    raise RulesError(format_message(
+        f"{api}: {len(unknown)} name(s) without a rule:", bullets=unknown,
+        context=[f"names with a rule: {', '.join(map(repr, known))}"],
+        fix="Name logical axes the table has a rule for (or call it without names for all)."))
 
 
 def _check_flag(value: Any, arg: str, api: str) -> None:
