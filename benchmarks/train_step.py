@@ -68,12 +68,6 @@ def presets() -> list[str]:
   return [p.stem for p in sorted(PRESETS.glob("*.yaml")) if p.stem in MESHES]
 
 
-def micro_batches(rules: partition.AxisRules) -> int:
-  """The loop length of the preset's first ``batch`` rule (the one that fires), else 1."""
-  first = next((v for n, v in rules.pairs if n == "batch"), None) or ()
-  return int(np.prod([r.length for r in first if isinstance(r, partition.SerialLoop)]))
-
-
 def cross_entropy(model):
   def loss(params, batch):
     logits = model.apply({"params": params}, batch["tokens"])
@@ -141,7 +135,7 @@ def preset_pair(name: str, quick: bool, section: Section) -> Pair:
                               float("inf"), 0.0, 0.0, same))
   opt_shard = jax.tree.map(lambda x: x.sharding, opt_state)
   rep = NamedSharding(mesh, P())
-  k = micro_batches(rules)
+  k = rules.serial_loops.get("batch", partition.SerialLoop(1)).length  # micro-batches
   m = int(np.prod([mesh.shape[a] for a in jax.tree.leaves(tuple(batch_spec))]))
 
   def make():

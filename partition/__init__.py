@@ -22,10 +22,10 @@ from partition._training.grad import GradSpecError as GradSpecError
 from partition._training.grad import value_and_grad as value_and_grad
 
 # --- logical axis rules ---
-from partition._rules.config import RulesConfigError as RulesConfigError
-from partition._rules.config import RulesError as RulesError
-from partition._rules.config import RulesTypeError as RulesTypeError
-from partition._rules.config import RulesConfigTypeError as RulesConfigTypeError
+from partition._rules.errors import RulesConfigError as RulesConfigError
+from partition._rules.errors import RulesError as RulesError
+from partition._rules.errors import RulesTypeError as RulesTypeError
+from partition._rules.errors import RulesConfigTypeError as RulesConfigTypeError
 from partition._base.io import FileError as FileError
 from partition._rules.constrain import NoRulesError as NoRulesError
 from partition._rules.constrain import constrain as constrain

@@ -26,7 +26,7 @@ import yaml
 
 import layers
 from partition import PartitionError
-from partition.internal import did_you_mean, format_message
+from partition.internal import did_you_mean, entry_mesh_axes, format_message
 
 CONFIGS = pathlib.Path(__file__).resolve().parent / "configs"
 DEFAULT_CONFIG = CONFIGS / "default.yaml"
@@ -403,53 +403,32 @@ def auto_mesh(rules) -> dict[str, int]:
   >>> auto_mesh(preset_rules('fsdp_tp')), auto_mesh(preset_rules('pipeline_parallel'))
   ({'data': -1, 'fsdp': 1, 'tensor': 1}, {'data': -1, 'stage': 1})
   """
-  axes = mesh_axes_of(rules)
-  first = next((value for name, value in _entries(rules) if name == BATCH_AXIS), None)
-  batch = next((r for r in _resources(first) if isinstance(r, str)), None)
-  fill = batch or (axes[0] if axes else "data")
+  axes = rules.mesh_axes
+  batch = entry_mesh_axes(rules.spec((BATCH_AXIS,))[0])  # its first rule: nothing else competes
+  fill = batch[0] if batch else (axes[0] if axes else "data")
   return {a: -1 if a == fill else 1 for a in ([fill] + [a for a in axes if a != fill])}
 
 
-def _entries(rules) -> list[list]:
-  return rules.to_dict()["rules"]
-
-
-def _resources(value) -> list:
-  return value if isinstance(value, list) else [value]
-
-
 def serial_loops(rules) -> tuple[int, ...]:
-  """The serial-loop lengths of the first ``batch`` entry of ``rules`` (``()``: none).
+  """The length of the serial loop ``rules`` give ``batch`` (``()``: none), the micro-batches
+  a preset asks for.
 
   >>> serial_loops(preset_rules('microbatch')), serial_loops(preset_rules('fsdp'))
   ((4,), ())
   """
-  first = next((value for name, value in _entries(rules) if name == BATCH_AXIS), None)
-  return tuple(r["serial_loop"] for r in _resources(first) if isinstance(r, dict))
+  loop = rules.serial_loops.get(BATCH_AXIS)
+  return (loop.length,) if loop else ()
 
 
 def without_serial_loops(rules):
-  """``rules`` with the serial loops removed from its ``batch`` entries (an explicit
-  ``microbatches`` replaces a preset's loop)."""
-  import partition
-  entries = []
-  for name, value in _entries(rules):
-    if name == BATCH_AXIS and isinstance(value, list):
-      value = [r for r in value if not isinstance(r, dict)] or None
-    elif name == BATCH_AXIS and isinstance(value, dict):
-      value = None
-    entries.append([name, value])
-  return partition.AxisRules.from_dict({**rules.to_dict(), "rules": entries})
+  """``rules`` without the serial loops of its ``batch`` rules (an explicit ``microbatches``
+  replaces a preset's loop)."""
+  return rules.without_serial_loops(BATCH_AXIS)
 
 
 def mesh_axes_of(rules) -> list[str]:
   """The mesh axes ``rules`` shard over, in the order they first appear."""
-  out: list[str] = []
-  for _, value in _entries(rules):
-    for r in _resources(value):
-      if isinstance(r, str) and r not in out:
-        out.append(r)
-  return out
+  return list(rules.mesh_axes)
 
 
 def example_mesh(preset: str, axes: Sequence[str]) -> str:

@@ -97,19 +97,7 @@ def mesh_axes_of(rules) -> tuple[str, ...]:
   >>> mesh_axes_of(partition.AxisRules([('mlp', 'tensor'), ('batch', ('data', 'fsdp'))]))
   ('data', 'tensor', 'fsdp')
   """
-  names: list[str] = []
-
-  def visit(value):
-    if isinstance(value, str):
-      if value not in names:
-        names.append(value)
-    elif isinstance(value, (list, tuple)):
-      for v in value:
-        visit(v)
-
-  for _, value in rules.to_dict()["rules"]:
-    visit(value)
-  return tuple(sorted(names, key=lambda n: (n != "data", names.index(n))))
+  return tuple(sorted(rules.mesh_axes, key=lambda name: name != "data"))  # sort is stable
 
 
 def _spec_axes(spec) -> list[tuple[str, ...]]:

@@ -15,11 +15,11 @@ from typing import Any
 import jax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition._base.errors import MeshError, PartitionError, format_message
+from partition._base.errors import MeshError, PartitionError, format_message, short
 from partition._base.logical_axes import path_str
 from partition._base.mesh import AnyMesh, describe, entry_mesh_axes, explicit_axes, to_spec_entry
-from partition._rules.config import RulesError, RulesTypeError, short
 from partition._rules.context import current_rules, current_rules_mesh
+from partition._rules.errors import RulesError, RulesTypeError
 from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
 from partition._rules.scope import inside_xmap, mapped_mesh_axes
 from partition._rules.table import LogicalAxes, _check_mesh, is_axes_leaf, map_axes_tree

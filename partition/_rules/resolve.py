@@ -28,7 +28,8 @@ from jax.sharding import PartitionSpec
 from partition._base.errors import did_you_mean, format_message
 from partition._base.mesh import to_spec_entry
 from partition._base.resources import SerialLoop
-from partition._rules.config import Resource, RulesError, Value
+from partition._rules.errors import RulesError
+from partition._rules.schema import Resource, Value
 
 FIRED = "fired"
 USED = "mesh axis already used"

@@ -38,14 +38,17 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
-from partition._base.errors import MeshError, did_you_mean, format_message
+from partition._base.errors import MeshError, did_you_mean, format_message, short
 from partition._base.logical_axes import path_str
 from partition._base.mesh import AnyMesh, axis_sizes
 from partition._base.resources import SerialLoop, named_loops
-from partition._rules import config as _config
-from partition._rules.config import Resource, RulesError, RulesTypeError, Value, short
+from partition._rules import files as _files
+from partition._rules import schema as _schema
+from partition._rules.errors import RulesError, RulesTypeError
 from partition._rules.fallbacks import PartitionWarning
+from partition._rules.overrides import OVERRIDE_FIX, collect_overrides
 from partition._rules.resolve import Resolution, resolve
+from partition._rules.schema import Resource, Value
 from partition._rules.scope import current_rules_mesh
 
 LogicalAxes = Sequence[str | None] | None
@@ -129,7 +132,7 @@ class AxisRules:
           f"got {type(pairs).__name__} {short(pairs)}. Write e.g. "
           "AxisRules([('batch', 'data')]) or AxisRules.from_file('rules.yaml').")
     else:
-      canon, problems = _config.parse_entries(
+      canon, problems = _schema.parse_entries(
           pairs if isinstance(pairs, Mapping) else list(pairs), "pairs")
       if problems:
         raise RulesTypeError(format_message(
@@ -158,15 +161,15 @@ class AxisRules:
       AxisRules([('batch', 'data'), ('kv', None)])
     """
     if key is None:
-      pairs, problems = _config.parse_document(d)
+      pairs, problems = _schema.parse_document(d)
     else:
-      _config.key_parts(key, RulesTypeError)
-      value, label = _config.select(d, key, "AxisRules.from_dict")
-      pairs, problems = _config.parse_selected(value, label, d)
+      _schema.key_parts(key, RulesTypeError)
+      value, label = _schema.select(d, key, "AxisRules.from_dict")
+      pairs, problems = _schema.parse_selected(value, label, d)
     if problems:
       raise (RulesTypeError if not isinstance(d, Mapping) else RulesError)(format_message(
           "AxisRules.from_dict got an invalid document:", bullets=problems,
-          fix=_config.ENTRY_FIX))
+          fix=_schema.ENTRY_FIX))
     return cls(pairs)
 
   @classmethod
@@ -185,7 +188,7 @@ class AxisRules:
       RulesConfigError: naming the file, the key/entry and the fix: bad syntax, a key given
         twice, nesting deeper than 64 levels, unknown keys, malformed entries.
     """
-    return cls(_config.load(path, format=format, key=key)["rules"])
+    return cls(_files.load(path, format=format, key=key)["rules"])
 
   def to_dict(self) -> dict[str, Any]:
     """``{'rules': [[name, mesh_axes], ...]}`` with plain str/list/None/dict values."""
@@ -198,7 +201,7 @@ class AxisRules:
     to a temporary file that replaces ``path`` only when complete, so a failed call leaves
     an existing file byte-identical.
     """
-    _config.dump(self.to_dict(), path, format=format)
+    _files.dump(self.to_dict(), path, format=format)
 
   def override(self, *overrides: str | Sequence[str] | tuple[str, Any] | Mapping[str, Any],
                **entries: Any) -> AxisRules:
@@ -218,11 +221,11 @@ class AxisRules:
       >>> rules.override(['mlp=fsdp', 'kv=null'], 'batch=data,serial_loop:2')
       AxisRules([('batch', ('data', SerialLoop(2))), ('mlp', 'fsdp'), ('kv', None)])
     """
-    new, problems, type_error = _collect_overrides(overrides, entries)
+    new, problems, type_error = collect_overrides(overrides, entries)
     if problems:
       raise (RulesTypeError if type_error else RulesError)(format_message(
           f"AxisRules.override got {len(problems)} invalid override(s):", bullets=problems,
-          fix=_config.OVERRIDE_FIX))
+          fix=OVERRIDE_FIX))
     pairs, placed = [], set()
     for name, value in self.pairs:
       if name in new:
@@ -248,6 +251,77 @@ class AxisRules:
   def names(self) -> tuple[str, ...]:
     """Logical names with at least one rule, in first-appearance order."""
     return tuple(dict.fromkeys(n for n, _ in self.pairs))
+
+  @property
+  def mesh_axes(self) -> tuple[str, ...]:
+    """Every mesh axis the rules name, in the order they first appear.
+
+    A mesh for these rules needs these axes (size 1 where one is unused on purpose). The
+    table alone cannot tell a mesh axis from a loop name bound by
+    :func:`partition.serial_loop`, so such a name is listed too.
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', 'fsdp')), ('mlp', 'tensor'),
+      ...                              ('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('kv', None)])
+      >>> rules.mesh_axes
+      ('data', 'fsdp', 'tensor')
+    """
+    return tuple(dict.fromkeys(
+        r for _, value in self.pairs for r in value or () if isinstance(r, str)))
+
+  @property
+  def serial_loops(self) -> dict[str, SerialLoop]:
+    """``{logical_name: SerialLoop}`` of the names whose first rule ends in a serial loop.
+
+    A name's first rule is the one resolution tries first; a later rule (a fallback) fires
+    only where the first cannot (its mesh axes times the loop length do not divide the
+    size), so this is the loop an xmap axis of that name runs on divisible sizes: the
+    number of micro-batches the table asks for. A loop that only a fallback names is not
+    listed (:meth:`without_serial_loops` removes it all the same).
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('batch', 'data'), ('mb', {'serial_loop': 2})])
+      >>> rules.serial_loops
+      {'batch': SerialLoop(4), 'mb': SerialLoop(2)}
+      >>> rules.serial_loops.get('embed', partition.SerialLoop(1)).length
+      1
+    """
+    first: dict[str, Value] = {}
+    for name, value in self.pairs:
+      first.setdefault(name, value)
+    return {name: value[-1] for name, value in first.items()
+            if value and isinstance(value[-1], SerialLoop)}
+
+  def without_serial_loops(self, *names: str) -> AxisRules:
+    """A copy without the serial loops of the rules of ``names`` (none given: every rule).
+
+    Array shardings do not change (they ignore loops): a rule that was only a loop becomes
+    ``None``, which still claims the dim, replicated. For xmap axes the loops are gone, as
+    where an explicit micro-batch count replaces the loop a preset gives ``batch``.
+
+    Raises:
+      RulesTypeError: a name that is not a str.
+      RulesError: a name without a rule (with a did-you-mean).
+
+    Example:
+      >>> import partition
+      >>> rules = partition.AxisRules([('batch', ('data', partition.SerialLoop(4))),
+      ...                              ('mb', partition.SerialLoop(2))])
+      >>> rules.without_serial_loops()
+      AxisRules([('batch', 'data'), ('mb', None)])
+      >>> rules.without_serial_loops('mb').serial_loops
+      {'batch': SerialLoop(4)}
+    """
+    _check_names(names, self.names, "AxisRules.without_serial_loops")
+    chosen = set(names or self.names)
+    return AxisRules([
+        (n, v if n not in chosen or v is None
+         else tuple(r for r in v if not isinstance(r, SerialLoop)) or None)
+        for n, v in self.pairs])
 
   def __repr__(self) -> str:
     body = ", ".join(f"({n!r}, {_value_repr(v)})" for n, v in self.pairs)
@@ -376,45 +450,20 @@ def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) 
 # -- argument checks ----------------------------------------------------------------------------
 
 
-def _collect_overrides(overrides: tuple, entries: Mapping[str, Any]
-                       ) -> tuple[dict[str, Value], list[str], bool]:
-  """``({name: value}, problems, any type error)`` of all overrides of one call."""
-  new: dict[str, Value] = {}
-  problems: list[str] = []
-  type_error = False
-
-  def add(pairs):
-    new.update(dict(pairs))
-
-  for i, item in enumerate(overrides):
-    if isinstance(item, str):
-      pair, bad = _config.parse_override(item)
-      problems += bad
-      add([pair] if pair else [])
-    elif isinstance(item, (list, tuple)) and item and all(
-        isinstance(t, str) and "=" in t for t in item):
-      for text in item:  # a list of CLI strings, as argparse's nargs/append give them
-        pair, bad = _config.parse_override(text)
-        problems += bad
-        add([pair] if pair else [])
-    elif isinstance(item, Mapping) or (
-        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[0], str)):
-      pairs = list(item.items()) if isinstance(item, Mapping) else [tuple(item)]
-      eq = [n for n, _ in pairs if isinstance(n, str) and "=" in n]
-      problems += [f"override #{i}: logical name {n!r} contains '=': pass 'name=axes' "
-                   "strings on their own (or a list of them), not inside a pair" for n in eq]
-      good, bad = _config.parse_entries([p for p in pairs if p[0] not in eq],
-                                        f"override #{i}")
-      problems += bad
-      add(good)
-    else:
-      type_error = True
-      problems.append(f"override #{i} {short(item)}: expected a 'name=axes' str, a list of "
-                      f"them, a (name, axes) pair or a mapping, got {type(item).__name__}")
-  good, bad = _config.parse_entries(list(entries.items()), "keyword")
-  problems += bad
-  add(good)
-  return new, problems, type_error
+def _check_names(names: tuple, known: Sequence[str], api: str) -> None:
+  """Every problem of ``names`` (logical names that must have a rule) in one message."""
+  wrong_type = [f"names[{i}] is {type(n).__name__} {short(n)}; a logical name is a str"
+                for i, n in enumerate(names) if not isinstance(n, str)]
+  if wrong_type:
+    raise RulesTypeError(format_message(f"{api} got invalid arguments:", bullets=wrong_type,
+                                        fix="Pass logical names as str, e.g. 'batch'."))
+  unknown = [f"{n!r} has no rule{did_you_mean(n, known)}" for n in dict.fromkeys(names)
+             if n not in known]
+  if unknown:
+    raise RulesError(format_message(
+        f"{api}: {len(unknown)} name(s) without a rule:", bullets=unknown,
+        context=[f"names with a rule: {', '.join(map(repr, known))}"],
+        fix="Name logical axes the table has a rule for (or call it without names for all)."))
 
 
 def _check_flag(value: Any, arg: str, api: str) -> None:

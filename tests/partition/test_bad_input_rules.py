@@ -25,7 +25,7 @@ from partition_testlib import mesh_of
 import partition
 from partition import AxisRules, MeshError, ResourceError, RulesConfigError, RulesError, SerialLoop
 from partition._base.io import FileError, atomic_write, read_bytes
-from partition._rules.config import RulesConfigTypeError, RulesTypeError
+from partition._rules.errors import RulesConfigTypeError, RulesTypeError
 from partition._rules.table import is_axes_leaf
 
 DATA = pathlib.Path(__file__).parent / "data"

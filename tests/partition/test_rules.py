@@ -1,5 +1,7 @@
 """AxisRules: construction, resolution (against flax linen's resolver), fallbacks, strict."""
 
+import pathlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ from partition import AxisRules, SerialLoop
 
 MESH_AXES = ("x", "y", "z", "w")
 NAMES = ("batch", "embed", "mlp", "heads", "kv", "length")
+PRESETS = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
 
 
 # -- construction ---------------------------------------------------------------------------
@@ -321,3 +324,96 @@ def test_xmap_resources_missing_axes_and_named_loops():
   with partition.serial_loop("loop", 2):
     assert rules.xmap_resources(["mb"], mesh=mesh, sizes={"mb": 4}) == {"mb": ("loop",)}
     assert rules.xmap_resources(["mb"], mesh=mesh, sizes={"mb": 3}) == {"mb": ()}
+
+
+# -- what the table asks for: mesh axes, serial loops ---------------------------------------
+
+loop_values = st.one_of(values, st.tuples(
+    st.lists(st.sampled_from(MESH_AXES), max_size=2, unique=True),
+    st.integers(1, 8)).map(lambda t: (*t[0], SerialLoop(t[1]))))
+loop_tables = st.lists(st.tuples(st.sampled_from(NAMES), loop_values), max_size=8)
+
+
+def test_mesh_axes_in_first_appearance_order():
+  rules = AxisRules([("kv", None), ("mlp", "tensor"), ("batch", ("data", "fsdp")),
+                     ("embed", "fsdp"), ("mb", SerialLoop(2)),
+                     ("batch", ("data", SerialLoop(4))), ("heads", ("expert", "tensor"))])
+  assert rules.mesh_axes == ("tensor", "data", "fsdp", "expert")
+  assert AxisRules().mesh_axes == () and AxisRules([("kv", None)]).mesh_axes == ()
+  assert AxisRules({"batch": "data"}).mesh_axes == ("data",)
+  # a loop name bound by serial_loop looks like a mesh axis to the table alone
+  assert AxisRules([("mb", "loop")]).mesh_axes == ("loop",)
+
+
+@settings(max_examples=200, deadline=None)
+@given(loop_tables)
+def test_mesh_axes_match_the_file_form(table):
+  # Reference: the YAML/dict form, read the way recipes read it before AxisRules answered.
+  expected = []
+  for _, value in AxisRules(table).to_dict()["rules"]:
+    for r in value if isinstance(value, list) else [value]:
+      if isinstance(r, str) and r not in expected:
+        expected.append(r)
+  assert AxisRules(table).mesh_axes == tuple(expected)
+
+
+def test_serial_loops_are_those_of_each_names_first_rule():
+  rules = AxisRules([("batch", ("data", SerialLoop(4))), ("batch", "data"),
+                     ("mb", {"serial_loop": 2}), ("embed", "fsdp"),
+                     ("heads", "tensor"), ("heads", ("tensor", SerialLoop(3))),
+                     ("kv", None), ("named", "loop")])
+  # heads: only its fallback loops; named: a loop name, not a SerialLoop
+  assert rules.serial_loops == {"batch": SerialLoop(4), "mb": SerialLoop(2)}
+  assert AxisRules().serial_loops == {}
+  assert AxisRules.from_file(PRESETS / "microbatch.yaml").serial_loops == {
+      "batch": SerialLoop(4)}
+  assert AxisRules.from_file(PRESETS / "fsdp.yaml").serial_loops == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(loop_tables)
+def test_serial_loops_are_what_xmap_runs_without_a_mesh(table):
+  # Reference: the resolver. Without a mesh or sizes nothing blocks a name's first rule.
+  rules = AxisRules(table)
+  loops = rules.serial_loops
+  for name in rules.names:
+    resources = rules.xmap_resources([name])[name]
+    tail = resources[-1] if resources and isinstance(resources[-1], SerialLoop) else None
+    assert loops.get(name) == tail
+
+
+def test_without_serial_loops():
+  rules = AxisRules([("batch", ("data", SerialLoop(4))), ("batch", "data"),
+                     ("mb", SerialLoop(2)), ("heads", ("tensor", SerialLoop(3))),
+                     ("kv", None)])
+  assert rules.without_serial_loops() == AxisRules(
+      [("batch", "data"), ("batch", "data"), ("mb", None), ("heads", "tensor"), ("kv", None)])
+  assert rules.without_serial_loops("batch", "kv") == AxisRules(
+      [("batch", "data"), ("batch", "data"), ("mb", SerialLoop(2)),
+       ("heads", ("tensor", SerialLoop(3))), ("kv", None)])
+  assert rules.without_serial_loops("mb").serial_loops == {"batch": SerialLoop(4),
+                                                           "heads": SerialLoop(3)}
+  assert rules.without_serial_loops().serial_loops == {}
+  assert rules.pairs[0] == ("batch", ("data", SerialLoop(4)))  # unchanged
+  assert AxisRules().without_serial_loops() == AxisRules()
+
+
+@settings(max_examples=200, deadline=None)
+@given(loop_tables, axes_tuples)
+def test_without_serial_loops_keeps_array_shardings(table, axes):
+  # Reference: the specs of the table itself (arrays ignore loops); xmap sees no loop.
+  rules = AxisRules(table)
+  plain = rules.without_serial_loops()
+  assert plain.spec(tuple(axes)) == rules.spec(tuple(axes))
+  assert plain.mesh_axes == rules.mesh_axes and len(plain) == len(rules)
+  assert not any(isinstance(r, SerialLoop) for _, v in plain for r in v or ())
+
+
+def test_without_serial_loops_bad_names():
+  rules = AxisRules([("batch", ("data", SerialLoop(4))), ("mlp", "tensor")])
+  with pytest.raises(partition.RulesError, match=r"1 name\(s\) without a rule:\n.*\n"
+                     r"  \* 'bacth' has no rule \(did you mean 'batch'\?\)\nName logical"):
+    rules.without_serial_loops("bacth", "mlp")
+  with pytest.raises(partition.RulesTypeError, match=r"names\[0\] is tuple \('batch',\); a "
+                     "logical name is a str"):
+    rules.without_serial_loops(("batch",))
