@@ -29,11 +29,8 @@ from __future__ import annotations
 
 import collections
 import functools
-import re
-import threading
-import traceback
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -43,17 +40,13 @@ from partition._base import mesh as _mesh
 from partition._base.errors import (
   AxisNameError,
   AxisSizeError,
-  LoopCollectiveError,
   MeshError,
-  ResourceError,
   SpecError,
-  did_you_mean,
   format_message,
   fun_name,
   short,
 )
 from partition._base.resources import named_loops
-from partition._rules import scope as _scope
 from partition._rules.context import current_rules
 from partition._xmap import placement as _placement
 from partition._xmap.layout import (
@@ -64,6 +57,8 @@ from partition._xmap.layout import (
   infer_sizes,
   normalize_resources,
 )
+from partition._xmap.messages import explicit_closure_error, in_xmap_terms
+from partition._xmap.nesting import check_not_shadowing, enclosing, tracing
 from partition._xmap.program import BodyTracer, merge_outputs, split_inputs
 from partition._xmap.specs import (
   AxisSpec,
@@ -173,7 +168,7 @@ class XMapped:
       raise SpecError(format_message(
           f"xmap({self._name}): the arguments are not a valid pytree: {e}",
           fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
-    mesh = _mesh.current_mesh(self._mesh) or _enclosing.mesh
+    mesh = _mesh.current_mesh(self._mesh) or enclosing.mesh
     if isinstance(self._mesh, jax.sharding.AbstractMesh) and (
         jax.sharding.get_abstract_mesh().empty):
       raise MeshError(format_message(
@@ -218,94 +213,116 @@ class XMapped:
     return build_layout({n: axes[n] for n in order}, mesh)
 
   def _compile(self, layout: MapLayout, in_treedef, leaves, specs, paths, rules):
-    mesh = layout.mesh
-    name = self._name
+    """The jitted program of one layout, and the input shardings callers are moved onto."""
+    self._check_stated_shardings_have_a_mesh(layout, specs)
+    inputs = _InputPlacement.of(layout, leaves, specs, paths, rules, self._out_specs, self._name)
+    trace = functools.partial(self._trace_body, layout, inputs, in_treedef, specs, rules)
+    program = _program(layout, trace, inputs.has_mesh, self._name)
+    program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
+    flat_in = None if inputs.shardings is None else jax.tree_util.tree_unflatten(
+        in_treedef, list(inputs.shardings))
+    jitted = jax.jit(program, in_shardings=flat_in, donate_argnums=self._donate)
+    return jitted, inputs.shardings
+
+  def _check_stated_shardings_have_a_mesh(self, layout: MapLayout, specs) -> None:
     stating = [s for s in list(specs) + [placed(o) for o in self._out_specs]
                if s.sharding is not None]
-    if stating and mesh is None:
+    if stating and layout.mesh is None:
       raise MeshError(format_message(
-          f"xmap({name}): {stating[0].user_repr} states a sharding, but there is no mesh.",
+          f"xmap({self._name}): {stating[0].user_repr} states a sharding, but there is no mesh.",
           fix="Pass mesh=jax.make_mesh(...) to xmap, or call it under "
               "`with jax.set_mesh(mesh):`."))
-    has_mesh = bool(layout.mesh_axes) or bool(stating)
-    stated = [_placement.stated_entries(layout, s, _positional_shape(x, s), rules,
-                                        f"in_axes for argument{p}", name)
-              for x, s, p in zip(leaves, specs, paths)] if has_mesh else [None] * len(specs)
-    in_shardings = (tuple(_in_sharding(layout, x, s, st) for x, s, st in zip(leaves, specs, stated))
-                    if has_mesh else None)
 
-    # On a mesh with Explicit axes the body runs with all of them Auto (see program); nested
-    # xmaps then find them Auto already and need no region of their own.
-    explicit = (sorted(_mesh.explicit_axes(mesh))
-                if has_mesh and _mesh.explicit_axes(mesh) else [])
+  def _trace_body(self, layout: MapLayout, inputs: _InputPlacement, in_treedef, specs, rules,
+                  leaves, in_region: bool, typed=None):
+    """Traces the user's function over the layout's levels: ``(outputs, their full specs,
+    their treedef)``; outputs constrained to their placement unless ``in_region`` (an
+    Explicit-axes region re-places them itself)."""
+    name, mesh, has_mesh = self._name, layout.mesh, inputs.has_mesh
+    check_not_shadowing(layout, name)
+    constrain = _constrainer(mesh)
 
     def state_outputs(spec, shape, path):
       return _placement.stated_entries(layout, spec, shape, rules, f"out_axes for output{path}",
                                        name) if has_mesh else None
 
-    def traced(leaves, in_region, typed=None):
-      _check_not_shadowing(layout, name)
-      constrain = _constrainer(mesh)
-      tracer = BodyTracer(layout, self._fun, name, in_treedef, self._out_axes, state_outputs,
-                      constrain if has_mesh else None)
-      if has_mesh:
-        typed = typed or [None] * len(leaves)
-        leaves = [_constrain_input(layout, x, s, st, t, constrain)
-                  for x, s, st, t in zip(leaves, specs, stated, typed)]
-      split, labels = split_inputs(layout, leaves, specs)
-      try:
-        with _tracing(layout):
-          outs = tracer.run(0, split, labels)
-      except NameError as e:
-        raise _unbound_name_error(e, layout, name, self._in_names) from None
-      except ValueError as e:
-        if "cannot appear in with_sharding_constraint" not in str(e):
-          raise
-        raise _mapped_axis_constraint_error(e, layout, name) from e
-      except AssertionError as e:
-        error = _collective_assertion(e, name)
-        if error is e:
-          raise
-        raise error from e
-      outs = merge_outputs(tracer, outs)
-      out_specs = [_placement.full_spec(layout, placed(s), x.ndim, st)
-                   for s, st, x in zip(tracer.out_specs, tracer.out_stated, outs)]
-      if has_mesh and not in_region:
-        outs = [x if _placement.is_trivial(sp) else constrain(x, sp)
-                for x, sp in zip(outs, out_specs)]
-      return outs, out_specs, tracer.out_treedef
+    tracer = BodyTracer(layout, self._fun, name, in_treedef, self._out_axes, state_outputs,
+                        constrain if has_mesh else None)
+    if has_mesh:
+      typed = typed or [None] * len(leaves)
+      leaves = [_constrain_input(layout, x, s, st, t, constrain)
+                for x, s, st, t in zip(leaves, specs, inputs.stated, typed)]
+    split, labels = split_inputs(layout, leaves, specs)
+    with in_xmap_terms(layout, name, self._in_names), tracing(layout):
+      outs = tracer.run(0, split, labels)
+    outs = merge_outputs(tracer, outs)
+    out_specs = [_placement.full_spec(layout, placed(s), x.ndim, st)
+                 for s, st, x in zip(tracer.out_specs, tracer.out_stated, outs)]
+    if has_mesh and not in_region:
+      outs = [x if _placement.is_trivial(sp) else constrain(x, sp)
+              for x, sp in zip(outs, out_specs)]
+    return outs, out_specs, tracer.out_treedef
 
-    def program(*args):
-      leaves = jax.tree_util.tree_leaves(args)
-      now_explicit = _still_explicit(mesh, explicit)
-      if not now_explicit:
-        outs, _, treedef = traced(leaves, in_region=False)
-      else:
-        # Explicit mesh axes: run the body with those axes made Auto (like
-        # jax.sharding.auto_axes, whose out_sharding we only know after tracing), so that
-        # vmap(spmd_axis_name=) places intermediates and collectives lower as on Auto meshes;
-        # then hand the outputs back with Explicit types. reshard to P() only drops the
-        # types: _constrain_input re-states the placement, and XLA moves no data.
-        base = _context_or(mesh)
-        auto = base.update_axis_types({a: jax.sharding.AxisType.Auto for a in now_explicit})
-        typed = [jax.typeof(x).sharding.spec for x in leaves]
-        with jax.sharding.use_abstract_mesh(auto):
-          leaves = jax.sharding.reshard(leaves, [PartitionSpec()] * len(leaves))
-          try:
-            outs, out_specs, treedef = traced(leaves, in_region=True, typed=typed)
-          except ValueError as e:
-            if "should match the aval mesh" not in str(e):
-              raise
-            raise _explicit_closure_error(name, mesh) from e
-        outs = [jax.sharding.reshard(x, NamedSharding(mesh, _placement.concrete(spec)))
-                for x, spec in zip(outs, out_specs)]
-      return jax.tree_util.tree_unflatten(treedef, outs)
 
-    program.__name__ = f"xmap_{getattr(self._fun, '__name__', 'fun')}"
-    flat_in = None if in_shardings is None else jax.tree_util.tree_unflatten(
-        in_treedef, list(in_shardings))
-    jitted = jax.jit(program, in_shardings=flat_in, donate_argnums=self._donate)
-    return jitted, in_shardings
+class _InputPlacement(NamedTuple):
+  """Where the inputs go: per leaf, the positional entries its spec states (``stated``) and
+  the sharding callers' arrays are moved onto (``shardings``); ``None``s off-mesh."""
+
+  has_mesh: bool
+  stated: list
+  shardings: tuple | None
+
+  @classmethod
+  def of(cls, layout: MapLayout, leaves, specs, paths, rules, out_specs, name
+         ) -> _InputPlacement:
+    stating = any(s.sharding is not None for s in list(specs) + [placed(o) for o in out_specs])
+    if not (layout.mesh_axes or stating):
+      return cls(False, [None] * len(specs), None)
+    stated = [_placement.stated_entries(layout, s, _positional_shape(x, s), rules,
+                                        f"in_axes for argument{p}", name)
+              for x, s, p in zip(leaves, specs, paths)]
+    return cls(True, stated, tuple(_in_sharding(layout, x, s, st)
+                                   for x, s, st in zip(leaves, specs, stated)))
+
+
+def _program(layout: MapLayout, trace: Callable, has_mesh: bool, name: str) -> Callable:
+  """The function ``jax.jit`` compiles: the traced body, run with the mesh's Explicit axes
+  made Auto when there are any (see program.py)."""
+  mesh = layout.mesh
+  # Nested xmaps find the axes Auto already and need no region of their own.
+  explicit = sorted(_mesh.explicit_axes(mesh)) if has_mesh and _mesh.explicit_axes(mesh) else []
+
+  def program(*args):
+    leaves = jax.tree_util.tree_leaves(args)
+    now_explicit = _still_explicit(mesh, explicit)
+    if now_explicit:
+      outs, treedef = _with_explicit_axes_auto(mesh, now_explicit, trace, leaves, name)
+    else:
+      outs, _, treedef = trace(leaves, in_region=False)
+    return jax.tree_util.tree_unflatten(treedef, outs)
+
+  return program
+
+
+def _with_explicit_axes_auto(mesh, explicit: list[str], trace: Callable, leaves, name: str):
+  """Runs the body with the Explicit mesh axes made Auto (like ``jax.sharding.auto_axes``,
+  whose out_sharding we only know after tracing), so that ``vmap(spmd_axis_name=)`` places
+  intermediates and collectives lower as on Auto meshes; then hands the outputs back with
+  Explicit types. ``reshard`` to ``P()`` only drops the types: ``_constrain_input``
+  re-states the placement, and XLA moves no data."""
+  auto = _context_or(mesh).update_axis_types({a: jax.sharding.AxisType.Auto for a in explicit})
+  typed = [jax.typeof(x).sharding.spec for x in leaves]
+  with jax.sharding.use_abstract_mesh(auto):
+    leaves = jax.sharding.reshard(leaves, [PartitionSpec()] * len(leaves))
+    try:
+      outs, out_specs, treedef = trace(leaves, in_region=True, typed=typed)
+    except ValueError as e:
+      if "should match the aval mesh" not in str(e):
+        raise
+      raise explicit_closure_error(name, mesh) from e
+  outs = [jax.sharding.reshard(x, NamedSharding(mesh, _placement.concrete(spec)))
+          for x, spec in zip(outs, out_specs)]
+  return outs, treedef
 
 
 _SHARED_CACHES: collections.OrderedDict[Any, dict] = collections.OrderedDict()
@@ -372,7 +389,7 @@ def _check_context_mesh(mesh, name: str) -> None:
   """``mesh=`` must agree with a ``jax.set_mesh`` mesh in context (JAX otherwise fails with
   a bare AssertionError or "incompatible devices"). Inside an enclosing xmap the context is
   that xmap's own Auto region, which is expected to differ in axis types."""
-  if mesh is None or _enclosing.axes:
+  if mesh is None or enclosing.axes:
     return
   context = jax.sharding.get_abstract_mesh()
   if context.empty:
@@ -475,37 +492,6 @@ def _constrain_input(layout: MapLayout, x, spec: AxisSpec, stated, typed, constr
   return x if _placement.is_trivial(full) else constrain(x, full)
 
 
-def _mapped_axis_constraint_error(e: ValueError, layout: MapLayout, name: str) -> ResourceError:
-  """A constraint in the body names a mesh axis this xmap maps (a hard-coded
-  ``PartitionSpec``; logical constraints drop such axes by themselves)."""
-  text = str(e).splitlines()[0]
-  spec = re.search(r"got spec (P\(.*\))", text)
-  axes = re.search(r"spmd_axis_name (\(.*?\))", text)
-  mapped = ", ".join(f"{m!r} (axis {n!r})" for n, ax in layout.axes.items() for m in ax.mesh_axes)
-  return ResourceError(format_message(
-      f"xmap({name}): a sharding constraint in the function names mesh axes "
-      f"{axes.group(1) if axes else ''} that this xmap maps its named axes to.",
-      context=[f"constraint: with_sharding_constraint(x, {spec.group(1) if spec else '?'})",
-               f"mapped mesh axes: {mapped}",
-               "Inside the body each call sees one slice of those axes; the constraint cannot "
-               "place a dim on them."],
-      fix="Constrain by logical name (partition.constrain or nn.with_logical_constraint: "
-          "mapped mesh axes are dropped there), drop those axes from the PartitionSpec, or "
-          "train with partition.value_and_grad, which splits the batch by rules instead of "
-          "a named xmap axis."))
-
-
-def _explicit_closure_error(name: str, mesh) -> MeshError:
-  return MeshError(format_message(
-      f"xmap({name}): the function uses a value with Explicit sharding on "
-      f"{_mesh.describe(mesh)} that is not one of its arguments (a closure over an array or "
-      "tracer from outside).",
-      context=["On meshes with Explicit axes, xmap runs its body with those axes Auto (as "
-               "jax.sharding.auto_axes does), and JAX rejects mixing the two."],
-      fix="Pass the value to the xmapped function as an argument (in_axes [...] if it has no "
-          "named dims), or use an Auto mesh."))
-
-
 def _level_order(out_specs, leaves, specs, names) -> list[str]:
   """Outermost first: axes in the order out_axes mentions them, then as they appear in the
   largest inputs. That is the major-to-minor layout a hand-written nest of vmaps follows,
@@ -557,106 +543,3 @@ def _needs_move(x, target) -> bool:
   return sharding != target and not sharding.is_equivalent_to(target, x.ndim)
 
 
-class _Enclosing(threading.local):
-  def __init__(self):
-    self.axes: tuple[str, ...] = ()
-    self.mesh_axes: dict[str, str] = {}  # mesh axis -> the enclosing named axis on it
-    self.mesh = None  # the enclosing xmap's mesh: nested xmaps default to it
-
-
-_enclosing = _Enclosing()
-
-
-class _tracing:
-  """Records the axes of the xmap being traced, for the shadowing check of nested xmaps
-  (loop-mapped axes are bound under private names, so lax.axis_size cannot see them)."""
-
-  def __init__(self, layout: MapLayout):
-    self.axes = tuple(layout.axes)
-    self.mesh_axes = {m: n for n, ax in layout.axes.items() for m in ax.mesh_axes}
-    self.mesh = layout.mesh
-
-  def __enter__(self):
-    self.saved = (_enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh)
-    _enclosing.axes = self.saved[0] + self.axes
-    _enclosing.mesh_axes = {**self.saved[1], **self.mesh_axes}
-    _enclosing.mesh = self.mesh or self.saved[2]
-    # Constraints in the body (partition.constrain, flax's nn.with_logical_constraint)
-    # drop the mesh axes this body maps: JAX rejects them there, and xmap places that dim.
-    self.mapping = _scope.mapping(frozenset(self.mesh_axes))
-    self.mapping.__enter__()
-
-  def __exit__(self, *exc):
-    self.mapping.__exit__(*exc)
-    _enclosing.axes, _enclosing.mesh_axes, _enclosing.mesh = self.saved
-
-
-def _check_not_shadowing(layout: MapLayout, name: str) -> None:
-  bound = []
-  for axis in layout.axes:
-    if axis in _enclosing.axes:
-      bound.append(axis)
-      continue
-    try:
-      jax.lax.axis_size(axis)
-    except NameError:
-      continue
-    bound.append(axis)
-  if bound:
-    raise AxisNameError(format_message(
-        f"xmap({name}): axis names {bound} are already bound by an enclosing xmap/vmap.",
-        context=["Collectives over them would be ambiguous (the inner name would shadow the "
-                 "outer one)."],
-        fix="Rename the inner axes."))
-  clashes = [f"axis {axis!r} is placed on mesh axis {m!r}, which the enclosing xmap uses for "
-             f"its axis {_enclosing.mesh_axes[m]!r}"
-             for axis, ax in layout.axes.items() for m in ax.mesh_axes if m in _enclosing.mesh_axes]
-  if clashes:
-    raise ResourceError(format_message(
-        f"xmap({name}): a nested xmap reuses mesh axes of the enclosing one.", bullets=clashes,
-        context=["Inside the outer map every device already holds one slice along those mesh "
-                 "axes; they cannot split another axis too."],
-        fix="Place the inner axes on other mesh axes, on a SerialLoop, or on no resources."))
-
-
-_UNBOUND = re.compile(r"unbound axis name: (.+?)(?:\. |\.?$)", re.M)
-
-
-def _unbound_name_error(e: NameError, layout: MapLayout, name: str, defined: Sequence[str]
-                        ) -> Exception:
-  match = _UNBOUND.search(str(e))
-  if match is None:
-    return e
-  axis = match.group(1)
-  if axis in layout.loop_axes:
-    return _loop_collective_error(axis, layout, name)
-  hint = did_you_mean(axis, list(defined) + list(_enclosing.axes))
-  return AxisNameError(format_message(
-      f"xmap({name}): a collective (psum, pmean, all_gather, axis_index, ...) refers to axis "
-      f"{axis!r}, which no enclosing xmap or vmap binds{hint}.",
-      context=[f"axes of this xmap: {list(defined)}"]
-              + ([f"axes of enclosing xmaps: {list(_enclosing.axes)}"] if _enclosing.axes
-                 else []),
-      fix="Use one of those names, or add the axis to in_axes / axis_sizes."))
-
-
-def _collective_assertion(e: AssertionError, name: str) -> Exception:
-  """JAX's vmap rule of ppermute asserts on several axes at once; say what to do instead."""
-  frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
-  if not any("ppermute" in f for f in frames):
-    return e
-  return AxisNameError(format_message(
-      f"xmap({name}): lax.ppermute over several named axes at once is not supported.",
-      context=["Named axes are vectorised (jax.vmap), whose ppermute rule handles one axis."],
-      fix="Call ppermute once per axis, with the permutation of that axis; or all_gather "
-          "over one axis and index."))
-
-
-def _loop_collective_error(axis: str, layout: MapLayout, name: str) -> Exception:
-  return LoopCollectiveError(format_message(
-      f"xmap({name}): a collective (psum, axis_index, all_gather, ...) refers to axis "
-      f"{axis!r}, which is mapped to a serial loop {layout.axes[axis].resources_repr()}.",
-      context=["Loop iterations run one after another, so there is no axis to communicate "
-               "over inside the function."],
-      fix=f"Reduce over it in out_axes instead, e.g. out_axes=partition.Sum({axis!r}) or "
-          f"partition.Mean({axis!r}); or map {axis!r} to mesh axes / no resources."))
