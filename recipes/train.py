@@ -183,7 +183,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
         f"preset={config.preset} shards over the mesh axes {wanted}, but mesh={have} has no "
         f"{', '.join(repr(a) for a in missing)}: use e.g. {example_mesh(config.preset, wanted)}"
         f" (or add {', '.join(f'{a}: 1' for a in missing)} to the mesh to replicate on purpose)")
-  shards_experts = any(name == "expert" and value for name, value in rules.to_dict()["rules"])
+  shards_experts = any(name == "expert" and value for name, value in rules)
   if shards_experts and not config.model.num_experts:
     problems.append(f"preset={config.preset} shards mixture-of-experts layers over 'expert', "
                     "but model.num_experts=0 (a dense model): set model.num_experts=4 "
