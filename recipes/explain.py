@@ -60,8 +60,9 @@ class Memory:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """What ``recipes.explain`` found for one config.
+class Explanation:
+  """What ``recipes.explain`` found for one config: the report :func:`plan` returns (the
+  planner, ``python -m recipes.plan``, chooses among configs; this describes one).
 
   Attributes:
     config: the ``TrainConfig``.
@@ -121,6 +122,22 @@ class Plan:
             "attention": None if self.attention is None else {
                 "implementation": self.attention.implementation,
                 "reason": self.attention.reason}}
+
+
+# Old names kept for one release: ``recipes.explain.<old>`` still works and warns.
+_DEPRECATED = {"Plan": "Explanation"}
+
+
+def __getattr__(name: str):
+  if name in _DEPRECATED:
+    import warnings
+    new = _DEPRECATED[name]
+    warnings.warn(f"recipes.explain.{name} is deprecated and will be removed in the next "
+                  f"release; use recipes.explain.{new} (the same class, renamed: 'plan' "
+                  "names the planner, python -m recipes.plan).", DeprecationWarning,
+                  stacklevel=2)
+    return globals()[new]
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _spec_list(spec) -> list:
@@ -215,7 +232,7 @@ def compile_memory(run, state) -> Memory:
 
 
 def plan(config, *, compile: bool = True,
-         replicated_warn_bytes: int = REPLICATED_WARN_BYTES) -> Plan:
+         replicated_warn_bytes: int = REPLICATED_WARN_BYTES) -> Explanation:
   """The sharding report of ``config`` on the devices JAX has now.
 
   Args:
@@ -224,7 +241,7 @@ def plan(config, *, compile: bool = True,
     replicated_warn_bytes: warn about fully replicated parameters at least this large.
 
   Returns:
-    A :class:`Plan` (``.to_dict()`` for numbers, :func:`render` for tables).
+    An :class:`Explanation` (``.to_dict()`` for numbers, :func:`render` for tables).
 
   Example:
     >>> from recipes.config import load_config
@@ -248,7 +265,7 @@ def plan(config, *, compile: bool = True,
       f"logical axes {r.logical_axes} a rule (rules=[...]) or another preset"
       for r in params.rows if r.replicated and r.bytes_total >= replicated_warn_bytes)
   memory = compile_memory(run, state) if compile else None
-  return Plan(config, run.mesh, params, optimizer,
+  return Explanation(config, run.mesh, params, optimizer,
               optimizer_by_param([r.path for r in params.rows], optimizer), state, warnings,
               memory, pipeline_plan(config, run.rules, run.mesh),
               attention_choice(config, run.rules, run.mesh))
@@ -290,7 +307,7 @@ def _human(n: int) -> str:
 # -- output ----------------------------------------------------------------------------------
 
 
-def render(p: Plan, out=sys.stdout) -> None:
+def render(p: Explanation, out=sys.stdout) -> None:
   """Rich tables: per-parameter sharding, totals, warnings and the step's memory."""
   from rich.console import Console
   from rich.table import Table
@@ -337,7 +354,7 @@ def _pipeline_table(plan):
   return table
 
 
-def _totals_table(p: Plan):
+def _totals_table(p: Explanation):
   from rich.table import Table
   t = p.totals()
   table = Table(title="totals", show_header=True)

@@ -1,4 +1,4 @@
-"""``python -m recipes.explain``: the planned per-device bytes against the real shards of a
+"""``python -m recipes.explain``: the explained per-device bytes against the real shards of a
 ``build_run`` of the same config, the compiled step's argument bytes against the real state and
 batch shards, ``--devices 16`` in a subprocess, the JSON and table outputs, warnings, errors.
 
@@ -44,55 +44,55 @@ def explain_path(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def planned():
-  """The plan (compiled) and a real run of the same tiny config on 8 devices."""
+def explained():
+  """The explanation (compiled) and a real run of the same tiny config on 8 devices."""
   config = _config()
   return explain.plan(config), train.build_run(config)
 
 
 @pytest.mark.slow
-def test_per_device_bytes_equal_the_real_shards(planned):
-  plan, run = planned
+def test_per_device_bytes_equal_the_real_shards(explained):
+  found, run = explained
   real = _by_path(run.state["params"])
-  assert sorted(r.path for r in plan.params.rows) == sorted(real)
-  for row in plan.params.rows:
+  assert sorted(r.path for r in found.params.rows) == sorted(real)
+  for row in found.params.rows:
     x = real[row.path]
     assert row.bytes_per_device == _on_first_device(x), row.path
     assert row.bytes_total == x.nbytes, row.path
     assert row.spec == x.sharding.spec, row.path
-  assert plan.params.bytes_per_device == train.device_bytes(run.state["params"])
-  assert plan.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
-  assert plan.optimizer.total_bytes == sum(x.nbytes for x in
-                                           jax.tree.leaves(run.state["opt_state"]))
+  assert found.params.bytes_per_device == train.device_bytes(run.state["params"])
+  assert found.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
+  assert found.optimizer.total_bytes == sum(x.nbytes for x in
+                                            jax.tree.leaves(run.state["opt_state"]))
   # the sharded run holds less than a full copy on each device
-  assert plan.params.bytes_per_device < plan.params.total_bytes
+  assert found.params.bytes_per_device < found.params.total_bytes
 
 
 @pytest.mark.parametrize("framework", ["haiku", "nnx"])
 @pytest.mark.slow
 def test_other_frameworks_per_device_bytes(framework):
   config = _config(f"framework={framework}")
-  plan, run = explain.plan(config, compile=False), train.build_run(config)
+  found, run = explain.plan(config, compile=False), train.build_run(config)
   real = _by_path(run.state["params"])
-  assert sorted(r.path for r in plan.params.rows) == sorted(real)
-  for row in plan.params.rows:
+  assert sorted(r.path for r in found.params.rows) == sorted(real)
+  for row in found.params.rows:
     assert row.bytes_per_device == _on_first_device(real[row.path]), row.path
-    assert plan.optimizer_by_param[row.path] == 2 * row.bytes_per_device, row.path
-  assert plan.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
+    assert found.optimizer_by_param[row.path] == 2 * row.bytes_per_device, row.path
+  assert found.optimizer.bytes_per_device == train.device_bytes(run.state["opt_state"])
 
 
-def test_optimizer_bytes_per_parameter_follow_adam_moments(planned):
-  plan, run = planned
+def test_optimizer_bytes_per_parameter_follow_adam_moments(explained):
+  found, run = explained
   real = _by_path(run.state["params"])
-  for path, opt_bytes in plan.optimizer_by_param.items():
+  for path, opt_bytes in found.optimizer_by_param.items():
     assert opt_bytes == 2 * _on_first_device(real[path]), path  # mu and nu, same sharding
-  counts = sum(r.bytes_per_device for r in plan.optimizer.rows if r.shape == ())
-  assert sum(plan.optimizer_by_param.values()) + counts == plan.optimizer.bytes_per_device
+  counts = sum(r.bytes_per_device for r in found.optimizer.rows if r.shape == ())
+  assert sum(found.optimizer_by_param.values()) + counts == found.optimizer.bytes_per_device
 
 
-def test_abstract_state_has_the_real_shardings(planned):
-  plan, run = planned
-  ours = jax.tree_util.tree_flatten_with_path(plan.state)[0]
+def test_abstract_state_has_the_real_shardings(explained):
+  found, run = explained
+  ours = jax.tree_util.tree_flatten_with_path(found.state)[0]
   theirs = jax.tree.leaves(run.state)
   assert len(ours) == len(theirs)
   for (path, a), b in zip(ours, theirs):
@@ -100,43 +100,57 @@ def test_abstract_state_has_the_real_shardings(planned):
     assert a.sharding.is_equivalent_to(b.sharding, len(b.shape)), explain_path(path)
 
 
-def test_compiled_step_arguments_are_the_real_state_and_batch_shards(planned):
-  plan, run = planned
+def test_compiled_step_arguments_are_the_real_state_and_batch_shards(explained):
+  found, run = explained
   batch = run.data.batch(0)
   state_bytes = train.device_bytes(run.state)
   batch_bytes = train.device_bytes(batch)
-  assert plan.memory.argument == state_bytes + batch_bytes
-  assert plan.memory.alias == state_bytes  # the donated state is updated in place
-  assert plan.memory.temp > 0
-  assert plan.memory.peak == (plan.memory.argument + plan.memory.output - plan.memory.alias
-                              + plan.memory.temp + plan.memory.generated_code)
+  assert found.memory.argument == state_bytes + batch_bytes
+  assert found.memory.alias == state_bytes  # the donated state is updated in place
+  assert found.memory.temp > 0
+  m = found.memory
+  assert m.peak == m.argument + m.output - m.alias + m.temp + m.generated_code
 
 
-def test_json_numbers_and_table(planned):
-  plan, _ = planned
-  d = json.loads(json.dumps(plan.to_dict()))
+def test_json_numbers_and_table(explained):
+  found, _ = explained
+  d = json.loads(json.dumps(found.to_dict()))
   assert d["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2} and d["num_devices"] == 8
-  assert d["totals"]["param_bytes_per_device"] == plan.params.bytes_per_device
+  assert d["totals"]["param_bytes_per_device"] == found.params.bytes_per_device
   assert d["totals"]["num_params"] == sum(int(np.prod(r["shape"])) for r in d["params"])
   qkv = next(r for r in d["params"] if r["path"] == "blocks_0/attn/qkv/kernel")
   assert qkv["logical_axes"] == ["embed", "kv_heads", None, "head_dim"]  # fused, per kv group
   assert qkv["spec"] == ["fsdp", "tensor", None, None]
-  assert d["memory"]["argument"] == plan.memory.argument
+  assert d["memory"]["argument"] == found.memory.argument
   out = io.StringIO()
-  explain.render(plan, out)
+  explain.render(found, out)
   text = out.getvalue()
   for needle in ("blocks_0/attn/qkv/kernel", "totals",
                  "compiled train step", "params + optimizer", "temporaries"):
     assert needle in text, needle
 
 
+def test_the_report_class_is_explanation_and_plan_is_a_deprecated_alias():
+  with pytest.warns(DeprecationWarning) as caught:
+    old = explain.Plan
+  assert old is explain.Explanation
+  assert len(caught) == 1
+  assert str(caught[0].message) == (
+      "recipes.explain.Plan is deprecated and will be removed in the next release; use "
+      "recipes.explain.Explanation (the same class, renamed: 'plan' names the planner, "
+      "python -m recipes.plan).")
+  assert caught[0].filename == __file__   # stacklevel: the warning points at the caller
+  with pytest.raises(AttributeError, match="has no attribute 'Plann'"):
+    explain.Plann  # noqa: B018
+
+
 def test_large_replicated_params_warn():
-  plan = explain.plan(_config("preset=data_parallel", "mesh={data: 8}"), compile=False,
-                      replicated_warn_bytes=1024)
-  big = sorted(r.path for r in plan.params.rows if r.bytes_total >= 1024)
-  assert big and all(r.replicated for r in plan.params.rows)
-  assert len(plan.warnings) == len(big)
-  for path, warning in zip(big, plan.warnings):
+  found = explain.plan(_config("preset=data_parallel", "mesh={data: 8}"), compile=False,
+                       replicated_warn_bytes=1024)
+  big = sorted(r.path for r in found.params.rows if r.bytes_total >= 1024)
+  assert big and all(r.replicated for r in found.params.rows)
+  assert len(found.warnings) == len(big)
+  for path, warning in zip(big, found.warnings):
     assert warning.startswith(f"{path} ") and "fully replicated on 8 devices" in warning
     assert "give its logical axes" in warning
   assert explain.plan(_config(), compile=False, replicated_warn_bytes=1024).warnings == ()
@@ -198,15 +212,15 @@ def _peak_bytes(proc) -> int:
 
 
 @pytest.mark.slow
-def test_devices_16_in_a_subprocess(planned):
-  plan8, _ = planned
+def test_devices_16_in_a_subprocess(explained):
+  found8, _ = explained
   proc = _run_cli("--devices", "16", "--json", *TINY, "mesh={data: -1, fsdp: 2, tensor: 2}")
   assert proc.returncode == 0, proc.stderr[-3000:]
   d = json.loads(proc.stdout)
   assert d["num_devices"] == 16 and d["mesh"] == {"data": 4, "fsdp": 2, "tensor": 2}
   assert d["platform"] == "cpu"
   # params are not sharded over 'data': the same bytes per device as on 8 devices
-  assert d["totals"] == plan8.totals()
+  assert d["totals"] == found8.totals()
   # the step was compiled for 16 devices: each holds 16 / (data 4 x fsdp 2) = 2 batch rows
   batch_bytes = 3 * 2 * 8 * 4  # inputs, targets (int32) and mask (float32)
   step_bytes = 4

@@ -1,7 +1,8 @@
 """``python -m recipes.plan``: roofline terms against hand-computed figures for one layer, the
 Scaling Book's critical batch sizes on either side of each threshold, CLI errors, and (slow)
-the compiled figures a search reports against an independent compile of the same plan at
-N = 8 (in this process) and N = 16 (in a subprocess), and the written config training.
+the compiled figures a search reports against numbers worked out on paper for a tiny model
+(data parallel at N = 8 in this process and N = 16 in a subprocess) and against the compile
+of a real run of the same plan, and the written config training.
 """
 
 import io
@@ -199,56 +200,72 @@ def test_analytic_search_json_and_outputs(tmp_path):
   assert best.preset == doc["plans"][0]["preset"] and best.mesh == doc["plans"][0]["mesh"]
 
 
-# -- compiled figures against an independent compile (slow) ----------------------------------
+# -- compiled figures against numbers on paper and a real run's compile (slow) ---------------
+
+# The TINY model on paper (vocab V=16, embed D=16, mlp F=32 and L=1 from TINY; heads H=4,
+# kv_heads K=2, head_dim d=16 from recipes/configs/default.yaml), in float32 parameters:
+#   embedding V*D = 256; qkv D*K*(H/K + 2)*d = 2048 (each kv group: its H/K query heads, k, v);
+#   attention out H*d*D = 1024; SwiGLU wi D*2*F = 1024, wo F*D = 512; three norm scales 3*D.
+TINY_PARAMS = 256 + 2048 + 1024 + 1024 + 512 + 3 * 16            # = 4912
+STATE_BYTES = 3 * 4 * TINY_PARAMS + 3 * 4   # params, Adam mu and nu (f32), three int32 counters
+# (the step, Adam's count, the schedule's count). Under data parallelism every device holds
+# all of it, and the step's one collective is the all-reduce of the f32 gradients together
+# with the four f32 sums the loss and metrics take over the batch (masked cross-entropy,
+# token count, correct tokens, exact matches): ring bytes 2 S (N-1)/N per device.
+DP_REDUCED_BYTES = 4 * TINY_PARAMS + 4 * 4
 
 
-def _search_one(tmp_path, devices, preset="fsdp_tp"):
+def _batch_bytes_per_device(devices):
+  # inputs and targets (int32) and the mask (float32), batch_size/N rows of seq_len 8
+  return 3 * 4 * (16 // devices) * 8
+
+
+def _search_one(tmp_path, devices, preset):
   cfg = _config()
-  # attention='xla': the kernel the CPU compile runs, so its memory is the plan's figure
+  # attention='xla': the kernel the CPU compile runs, so its memory is the plan's figure;
+  # one micro-batch: no loop in the step
   found = plan.search(cfg, devices=devices, chip=chips.get_chip("v5e"), presets=[preset],
-                      remats=["none"], max_microbatches=2, compile_top=1,
+                      remats=["none"], max_microbatches=1, compile_top=1,
                       cache=plan.Cache(tmp_path / "cache.json"), attention="xla")
   top = next(r for r in found.results if r.compiled)
   return plan.candidate_config(cfg, top.candidate), top
 
 
-def compiled_figures(cfg_path) -> dict:
-  """The written config's train step compiled afresh on this process's devices: peak memory
-  per device and ``[[axes, bytes], ...]`` collectives. Lowered here from the job's own step
-  and a batch built from the config, not through ``recipes.explain.compile_train_step`` and
-  ``memory_of``, which the planner uses: the reference shares none of the code it checks."""
+def real_step(cfg_path) -> dict:
+  """The config's run built for real (``train.build_run``: allocated, initialised) and its
+  train step compiled on its own state and first batch, as training does, on this process's
+  devices. Reads ``memory_analysis()`` directly and counts the bytes of the arrays' shards on
+  the first device; shares no code with the planner's abstract compile."""
   import jax
-  import numpy as np
 
-  from recipes import explain
   cfg = load_config(cfg_path)
-  run, state = explain.abstract_run(cfg)
-  batch = {k: jax.ShapeDtypeStruct((cfg.batch_size, cfg.seq_len),
-                                   np.float32 if k == "mask" else np.int32, sharding=s)
-           for k, s in run.batch_shardings.items()}
-  compiled = run.train_step.lower(state, batch).compile()
-  m = compiled.memory_analysis()
-  # every live byte of the step once: donated (aliased) arguments are also outputs
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
-          + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
-  stats = partition.collective_stats(compiled, run.mesh)
-  return {"peak": int(peak),
-          "table": [[",".join(a), v["bytes"]] for (k, a), v in stats.table().items() if a]}
+  run = train.build_run(cfg)
+  batch = run.data.batch(0)
+  m = run.train_step.lower(run.state, batch).compile().memory_analysis()
+  first = jax.devices()[0]
+  shard_bytes = lambda tree: sum(s.data.nbytes for x in jax.tree.leaves(tree)
+                                 for s in x.addressable_shards if s.device == first)
+  return {"argument": int(m.argument_size_in_bytes), "alias": int(m.alias_size_in_bytes),
+          # every live byte of the step once: donated (aliased) arguments are also outputs
+          "peak": int(m.argument_size_in_bytes + m.output_size_in_bytes
+                      - m.alias_size_in_bytes + m.temp_size_in_bytes
+                      + m.generated_code_size_in_bytes),
+          "state_shards": shard_bytes(run.state), "batch_shards": shard_bytes(batch)}
 
 
-# compiled_figures in a process with n devices (this test file's folder is put on its path)
-COMPILE_SCRIPT = """
+# real_step in a process with n devices (this test file's folder is put on its path)
+REAL_STEP_SCRIPT = """
 import json, sys
 import jax
 jax.config.update('jax_num_cpu_devices', {n})
 sys.path.insert(0, {folder!r})
-from test_plan import compiled_figures
-print(json.dumps(compiled_figures(sys.argv[1])))
+from test_plan import real_step
+print(json.dumps(real_step(sys.argv[1])))
 """
 
 
-def _independent(cfg_path, n):
-  script = COMPILE_SCRIPT.format(n=n, folder=str(Path(__file__).parent))
+def _real_step_in_subprocess(cfg_path, n):
+  script = REAL_STEP_SCRIPT.format(n=n, folder=str(Path(__file__).parent))
   out = subprocess.run([sys.executable, "-c", script, str(cfg_path)],
                        capture_output=True, text=True, cwd=REPO, timeout=600,
                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
@@ -256,36 +273,53 @@ def _independent(cfg_path, n):
   return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _by_group(table):
-  """``[[axes, bytes], ...]`` (one row per collective kind and axes) summed per axes."""
-  groups = {}
-  for key, v in table:
-    groups[key] = groups.get(key, 0.0) + v
-  return groups
+def _check_data_parallel_on_paper(top, devices):
+  assert top.candidate.mesh == (("data", devices),)
+  memory = top.compiled["memory"]
+  assert memory["alias"] == STATE_BYTES                 # the donated state, whole on each
+  assert memory["argument"] == STATE_BYTES + _batch_bytes_per_device(devices)
+  ring = 2 * DP_REDUCED_BYTES * (devices - 1) / devices
+  assert top.compiled["collective_bytes"] == pytest.approx({"data": ring})
 
 
 @pytest.mark.slow
-def test_compiled_plan_matches_an_independent_compile_at_8(tmp_path):
-  cfg, top = _search_one(tmp_path, 8)
-  p = __import__("recipes.explain", fromlist=["plan"]).plan(cfg)   # this process: 8 devices
-  assert top.memory == p.memory.peak == top.compiled["memory"]["peak"]
+def test_compiled_data_parallel_plan_against_paper_at_8(tmp_path):
+  cfg, top = _search_one(tmp_path, 8, "data_parallel")
+  _check_data_parallel_on_paper(top, 8)
+  assert top.compiled["collective_bytes"]["data"] == 34412.0   # 2 * 19664 * 7/8
   path = tmp_path / "c.yaml"
   path.write_text(plan.config_yaml(cfg))
-  ref = compiled_figures(path)   # this process has 8 devices: no subprocess to start
-  assert ref["peak"] == top.memory
-  assert top.compiled["collective_bytes"] == pytest.approx(_by_group(ref["table"]))
-  assert sum(top.compiled["collective_bytes"].values()) > 0
+  real = real_step(path)   # this process has 8 devices: no subprocess to start
+  assert real["argument"] == top.compiled["memory"]["argument"]
+  assert real["peak"] == top.memory == top.compiled["memory"]["peak"]
 
 
 @pytest.mark.slow
-def test_compiled_plan_matches_an_independent_compile_at_16(tmp_path):
-  cfg, top = _search_one(tmp_path, 16)
-  assert math.prod(cfg.mesh.values()) == 16
+def test_compiled_data_parallel_plan_against_paper_at_16(tmp_path):
+  cfg, top = _search_one(tmp_path, 16, "data_parallel")
+  _check_data_parallel_on_paper(top, 16)
   path = tmp_path / "c.yaml"
   path.write_text(plan.config_yaml(cfg))
-  ref = _independent(path, 16)
-  assert ref["peak"] == top.memory
-  assert top.compiled["collective_bytes"] == pytest.approx(_by_group(ref["table"]))
+  real = _real_step_in_subprocess(path, 16)
+  assert real["peak"] == top.memory
+
+
+@pytest.mark.slow
+def test_compiled_fsdp_tp_plan_against_the_real_run_at_8(tmp_path):
+  cfg, top = _search_one(tmp_path, 8, "fsdp_tp")
+  path = tmp_path / "c.yaml"
+  path.write_text(plan.config_yaml(cfg))
+  real = real_step(path)
+  memory = top.compiled["memory"]
+  # the planner's abstract state is sharded as the real one: the same shard bytes
+  assert memory["alias"] == real["state_shards"]
+  assert memory["argument"] == real["state_shards"] + real["batch_shards"]
+  assert memory["alias"] < STATE_BYTES                   # sharded: less than a whole copy
+  assert real["peak"] == top.memory == memory["peak"]
+  # traffic only over the mesh axes that have more than one device
+  used = {a for a, v in top.candidate.mesh if v > 1}
+  groups = top.compiled["collective_bytes"]
+  assert groups and all(set(k.split(",")) <= used and v > 0 for k, v in groups.items())
 
 
 @pytest.mark.slow

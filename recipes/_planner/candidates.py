@@ -1,0 +1,163 @@
+"""What the planner searches over: the candidate plans of a config, and how one becomes a
+config ``python -m recipes.train`` runs.
+
+A :class:`Candidate` is a preset, a mesh (one factorisation of the device count over the
+preset's mesh axes), a micro-batch count and a remat policy. :func:`candidates` lists the
+distinct ones (two plans whose every sharding agrees once size-1 axes are dropped are one);
+:func:`model_params` gives the parameter shapes the analytic screen prices them with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+from partition import PartitionError
+from recipes import plan_model
+
+
+class PlanError(PartitionError, ValueError):
+  """The plan command was given arguments it cannot plan with."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One plan: a preset, a mesh (axis -> size, outermost first), micro-batches and remat."""
+
+  preset: str
+  mesh: tuple[tuple[str, int], ...]
+  microbatches: int
+  remat: str
+
+  @property
+  def mesh_dict(self) -> dict[str, int]:
+    return dict(self.mesh)
+
+  def label(self) -> str:
+    mesh = "x".join(f"{k}{v}" for k, v in self.mesh if v > 1) or "1"
+    return f"{self.preset} [{mesh}] k={self.microbatches} remat={self.remat}"
+
+  def __repr__(self) -> str:
+    return f"Candidate({self.label()})"
+
+
+def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+  """Every ordered ``k``-tuple of positive ints whose product is ``n``.
+
+  >>> factorisations(4, 2)
+  [(1, 4), (2, 2), (4, 1)]
+  """
+  if k == 1:
+    return [(n,)]
+  return [(d,) + rest for d in range(1, n + 1) if n % d == 0
+          for rest in factorisations(n // d, k - 1)]
+
+
+def powers_of_two(limit: int) -> list[int]:
+  """1, 2, 4, ... up to ``limit``.
+
+  >>> powers_of_two(6)
+  [1, 2, 4]
+  """
+  return [2 ** i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def preset_rules(config, preset: str):
+  """The ``AxisRules`` of ``preset`` with the config's own rule overrides applied."""
+  import partition
+  from recipes.config import preset_path
+  rules = partition.AxisRules.from_file(preset_path(preset))
+  return rules.override(*config.rules) if config.rules else rules
+
+
+def candidates(config, params, presets: Sequence[str], devices: int,
+               remats: Sequence[str], max_microbatches: int) -> tuple[list[Candidate], dict]:
+  """Distinct candidates (two plans whose every spec matches after dropping size-1 axes
+  are one), and per preset why none was kept (``{}`` if some were)."""
+  out, seen, empty = [], set(), {}
+  for preset in presets:
+    rules = preset_rules(config, preset)
+    axes = plan_model.mesh_axes_of(rules)
+    valid = kept = 0
+    for sizes in factorisations(devices, len(axes)):
+      mesh = dict(zip(axes, sizes))
+      sig = plan_model.sharding_signature(params, rules, mesh, config.batch_size,
+                                          config.seq_len)
+      if _has_idle_axis(mesh, sig):
+        continue
+      valid += 1
+      for k in _microbatch_counts(config, rules, mesh, max_microbatches):
+        for remat in remats:
+          if (sig, k, remat) not in seen:
+            seen.add((sig, k, remat))
+            out.append(Candidate(preset, tuple(mesh.items()), k, remat))
+            kept += 1
+    if not kept:
+      empty[preset] = _why_none(config, devices, axes, valid)
+  return out, empty
+
+
+def _has_idle_axis(mesh: dict[str, int], signature) -> bool:
+  """A mesh axis of size > 1 that neither splits the batch nor holds a shard: its devices
+  would be idle copies."""
+  used = {a for spec in signature[:-1] for dim in spec for a in dim}
+  return any(v > 1 and a not in used for a, v in mesh.items())
+
+
+def _microbatch_counts(config, rules, mesh: dict[str, int], limit: int) -> list[int]:
+  """Powers of two up to ``limit`` that divide the rows each device holds."""
+  rows, _ = plan_model.batch_groups(rules, mesh, config.batch_size, config.seq_len)
+  per_device_rows = config.batch_size // math.prod(mesh[a] for a in rows)
+  return [k for k in powers_of_two(min(limit, per_device_rows)) if per_device_rows % k == 0]
+
+
+def _why_none(config, devices: int, axes, valid: int) -> str:
+  if valid:
+    return "every plan is one an earlier preset already gives (same shardings)"
+  return (f"no factorisation of {devices} over its mesh axes {axes} splits "
+          f"batch_size={config.batch_size} x seq_len={config.seq_len} evenly")
+
+
+# -- model shapes (the one place that builds a run) ------------------------------------------
+
+
+def model_params(config) -> list[plan_model.ParamShape]:
+  """The model's parameters (shapes, dtypes, logical axes) without allocating them: the
+  run is traced under ``jax.eval_shape`` on a one-device mesh (shapes do not depend on it)."""
+  import jax
+  import numpy as np
+  one = dataclasses.replace(config, preset="data_parallel", mesh={"data": 1}, rules=(),
+                            microbatches=1)
+  run, state = abstract_run(one)
+  axes = run.state_axes["params"]
+  is_axes = lambda a: a is None or (type(a) is tuple and all(
+      n is None or isinstance(n, str) for n in a))
+  flat_axes = jax.tree.leaves(axes, is_leaf=is_axes)
+  flat = jax.tree_util.tree_flatten_with_path(state["params"])[0]
+  return [plan_model.ParamShape("/".join(str(getattr(k, "key", k)) for k in path),
+                                tuple(leaf.shape), int(np.dtype(leaf.dtype).itemsize), ax)
+          for (path, leaf), ax in zip(flat, flat_axes)]
+
+
+def abstract_run(config):
+  """``recipes.explain.abstract_run``: the run traced without allocation (wrapped here so a
+  move of that function touches one line)."""
+  from recipes import explain
+  return explain.abstract_run(config)
+
+
+def candidate_config(config, c: Candidate):
+  """``config`` with the candidate's preset, mesh, micro-batches and remat."""
+  model = dataclasses.replace(config.model, remat=c.remat)
+  return dataclasses.replace(config, preset=c.preset, mesh=c.mesh_dict,
+                             microbatches=c.microbatches, model=model)
+
+
+def config_yaml(config) -> str:
+  """``config`` as a YAML document ``load_config`` reads back to an equal config."""
+  import yaml
+  d = config.to_dict()
+  if all(v is None for v in d.get("distributed", {}).values()):
+    d.pop("distributed", None)
+  return yaml.safe_dump(d, sort_keys=False)
