@@ -48,6 +48,7 @@ from partition._params.path_rules import PathRules as PathRules
 from partition._params.path_rules import PathRulesError as PathRulesError
 from partition._base.errors import PlacementError as PlacementError
 from partition._params.audit import ReplicatedWarning as ReplicatedWarning
+from partition._params.adapt import AdapterInputError as AdapterInputError
 from partition._params.optim import OptimizerStateError as OptimizerStateError
 from partition._params.optim import optimizer_axes as optimizer_axes
 from partition._params.optim import optimizer_init as optimizer_init

@@ -55,7 +55,7 @@ def _check_module(module: Any, api: str) -> None:
            "partition.haiku.init_sharded(hk.transform(f), ...).")
   else:
     fix = "Pass a linen Module instance, e.g. nn.Dense(8)."
-  raise _adapt.AdapterTypeError(f"{api}: module must be a flax.linen Module instance, got "
+  raise _adapt.AdapterInputError(f"{api}: module must be a flax.linen Module instance, got "
                                 f"{_adapt.describe_value(module)}. {fix}")
 
 
@@ -217,7 +217,7 @@ def with_axes(module_cls: type | None = None, /, *,
       hint = ("For NNX modules use partition.nnx.with_axes." if _is_nnx(cls) else
               f"Pass the class, e.g. with_axes({type(cls).__name__}, ...)."
               if isinstance(cls, nn.Module) else "Pass a class such as nn.Dense.")
-      raise _adapt.AdapterTypeError(
+      raise _adapt.AdapterInputError(
           f"partition.flax.with_axes takes a linen Module class, got "
           f"{_adapt.describe_value(cls)}. {hint}")
 

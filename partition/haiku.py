@@ -36,11 +36,10 @@ import haiku as hk
 import jax
 import jax.numpy as jnp
 
-from partition._base.logical_axes import WithAxes, abstract
+from partition._base.deprecations import deprecated_getattr
+from partition._base.logical_axes import LogicalAxesTypeError, WithAxes, abstract
 from partition._base.mesh import AnyMesh
 from partition._haiku.errors import _PARAMS, _STATE, STACK_AXIS, Axes
-from partition._haiku.errors import AxesTypeError as AxesTypeError
-from partition._haiku.errors import HaikuInputError as HaikuInputError
 from partition._haiku.errors import StaticArgError as StaticArgError
 from partition._haiku.errors import UnusedPatternWarning as UnusedPatternWarning
 from partition._haiku.recording import (
@@ -56,6 +55,7 @@ from partition._haiku.recording import (
 from partition._haiku.tracing import _prepare, _Traced
 from partition._haiku.validation import _table
 from partition._params import adapt as _adapt
+from partition._params.adapt import AdapterInputError
 from partition._params.path_rules import PathRules
 from partition._rules.explain import ExplainReport
 
@@ -343,7 +343,7 @@ def init_sharded(transformed: Any, rng: Any, *args: Any, rules: Any = None,
     ``jax.Array`` with the resolved ``NamedSharding``.
 
   Raises:
-    HaikuInputError: ``transformed`` is not a Haiku transform, ``rng`` is not a key, bad
+    AdapterInputError: ``transformed`` is not a Haiku transform, ``rng`` is not a key, bad
       ``static_argnums`` / ``stack_axis``.
     StaticArgError: the model needs a concrete value from a traced array input.
     LogicalAxesError: declared or table axes do not fit a parameter's rank.
@@ -369,3 +369,11 @@ def explain(transformed: Any, rng: Any, *args: Any, rules: Any = None,
                stack_axis=stack_axis, static_argnums=static_argnums, rules=rules, mesh=mesh)
   return _adapt.explain_tree(t.named(t.out), t.named(t.axes), rules, mesh)
 
+
+
+__getattr__ = deprecated_getattr("partition.haiku", {
+    "HaikuInputError": ("partition.AdapterInputError (one class for the three adapters)",
+                        lambda: AdapterInputError),
+    "AxesTypeError": ("partition.LogicalAxesError (the same class as every adapter's: "
+                      "partition._base.logical_axes.LogicalAxesTypeError)",
+                      lambda: LogicalAxesTypeError)})

@@ -49,7 +49,7 @@ def _build(init_fn: Callable[..., nnx.Module], args: tuple, kwargs: dict) -> nnx
 
 def _check_init_fn(init_fn: Any, api: str) -> None:
   if isinstance(init_fn, nnx.Module):
-    raise _adapt.AdapterTypeError(
+    raise _adapt.AdapterInputError(
         f"{api}: init_fn must build the module, got an already built "
         f"{type(init_fn).__name__} instance. Pass a function that builds it, e.g. "
         f"lambda: {type(init_fn).__name__}(..., rngs=nnx.Rngs(0)), so that its Variables "
@@ -57,11 +57,11 @@ def _check_init_fn(init_fn: Any, api: str) -> None:
   linen = sys.modules.get("flax.linen")
   if linen is not None and (isinstance(init_fn, linen.Module) or (
       isinstance(init_fn, type) and issubclass(init_fn, linen.Module))):
-    raise _adapt.AdapterTypeError(
+    raise _adapt.AdapterInputError(
         f"{api}: got the linen module {_adapt.describe_value(init_fn)}. Use "
         "partition.flax.init_sharded(module, rng, *inputs) for linen modules.")
   if not callable(init_fn):
-    raise _adapt.AdapterTypeError(
+    raise _adapt.AdapterInputError(
         f"{api}: init_fn must be a function (or NNX Module class) that builds the module, "
         f"got {_adapt.describe_value(init_fn)}. Pass e.g. lambda: nnx.Linear(4, 8, "
         "rngs=nnx.Rngs(0)).")
@@ -79,7 +79,7 @@ def _abstract(api, init_fn, args, kwargs, rules, mesh, param_axes):
   with _adapt.axis_rules(rules, mesh):
     model = nnx.eval_shape(lambda: _build(init_fn, args, kwargs))
   if not isinstance(model, nnx.Module):
-    raise _adapt.AdapterTypeError(
+    raise _adapt.AdapterInputError(
         f"{api}: init_fn must return an NNX Module, but {_adapt.describe_value(init_fn)} "
         f"returned {_returned(model)}. Return the module it builds, e.g. "
         "lambda: nnx.Linear(4, 8, rngs=nnx.Rngs(0)).")
@@ -231,7 +231,7 @@ def with_axes(module_cls: type | None = None, /, *,
       hint = ("For linen modules use partition.flax.with_axes." if is_linen else
               f"Pass the class, e.g. with_axes({type(cls).__name__}, ...)."
               if isinstance(cls, nnx.Module) else "Pass a class such as nnx.Linear.")
-      raise _adapt.AdapterTypeError(
+      raise _adapt.AdapterInputError(
           f"partition.nnx.with_axes takes an nnx.Module class, got "
           f"{_adapt.describe_value(cls)}. {hint}")
 

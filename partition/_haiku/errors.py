@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 
 from partition._base.errors import PartitionError
-from partition._base.logical_axes import LogicalAxesError
 from partition._rules.fallbacks import PartitionWarning
 
 Axes = tuple[str | None, ...]
@@ -17,14 +16,6 @@ _PARAMS, _STATE = "params", "state"
 _LOCAL = threading.local()
 
 
-class HaikuInputError(PartitionError, TypeError, ValueError):
-  """An entry point of ``partition.haiku`` got an argument it cannot use (wrong type/value)."""
-
-
-class AxesTypeError(LogicalAxesError, TypeError):
-  """Logical axes given as something other than a sequence of names (e.g. a bare ``str``)."""
-
-
 class StaticArgError(PartitionError, TypeError):
   """The model needs a concrete Python value from an input that the adapter traces."""
 
@@ -34,5 +25,5 @@ class UnusedPatternWarning(PartitionWarning):
 
 
 # Users meet these as partition.haiku.* (its public face re-exports them).
-for _cls in (HaikuInputError, AxesTypeError, StaticArgError, UnusedPatternWarning):
+for _cls in (StaticArgError, UnusedPatternWarning):
   _cls.__module__ = "partition.haiku"

@@ -11,8 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from partition._base.errors import format_message
-from partition._haiku.errors import Axes, AxesTypeError, HaikuInputError
+from partition._base.logical_axes import LogicalAxesTypeError
+from partition._haiku.errors import Axes
 from partition._params import adapt as _adapt
+from partition._params.adapt import AdapterInputError
 from partition._params.path_rules import PathRules
 
 # -- checking arguments ------------------------------------------------------------------------
@@ -32,7 +34,7 @@ def _axes_problem(axes: Any, what: str) -> str | None:
 def _as_axes(axes: Any, api: str) -> Axes:
   problem = _axes_problem(axes, "axes")
   if problem:
-    raise AxesTypeError(format_message(f"{api}: {problem}.",
+    raise LogicalAxesTypeError(format_message(f"{api}: {problem}.",
                                        fix="Give one logical name (or None) per dim, e.g. "
                                            "axes=('embed', 'mlp') or axes=('embed',)."))
   return tuple(axes)
@@ -43,7 +45,7 @@ def _table(table: Any, api: str, arg: str = "param_axes") -> PathRules | None:
   if table is None or isinstance(table, PathRules):
     return table
   if isinstance(table, (str, bytes)) or not isinstance(table, (Mapping, Sequence)):
-    raise HaikuInputError(format_message(
+    raise AdapterInputError(format_message(
         f"{api}: {arg} must be a partition.PathRules, a list of (regex, logical_axes) pairs or "
         f"a {{regex: logical_axes}} mapping, got {type(table).__name__} {table!r:.60}.",
         fix=f"Pass {arg}=[(r'linear_0/w$', ('embed', 'mlp'))] or "
@@ -54,7 +56,7 @@ def _table(table: Any, api: str, arg: str = "param_axes") -> PathRules | None:
               if isinstance(entry, (tuple, list)) and len(entry) == 2 and entry[1] is not None]
   problems = [p for p in problems if p]
   if problems:
-    raise AxesTypeError(format_message(f"{api}: {arg} has invalid logical axes:",
+    raise LogicalAxesTypeError(format_message(f"{api}: {arg} has invalid logical axes:",
                                        bullets=problems,
                                        fix="Give each pattern a tuple with one name (or None) "
                                            "per dim, or None to replicate."))
@@ -121,7 +123,7 @@ def _static_nums(static_argnums: Any, nargs: int) -> tuple[set[int], list[str]]:
 
 def _validate(api: str, transformed: Any, rng: Any, args: tuple, static_argnums: Any,
               stack_axis: Any, concrete: bool) -> tuple[Any, set[int]]:
-  """Checks every argument of one call; raises one :class:`HaikuInputError` listing all."""
+  """Checks every argument of one call; raises one :class:`AdapterInputError` listing all."""
   problems = [_check_transformed(transformed)]
   rng, rng_problem = _check_rng(rng, concrete)
   static, static_problems = _static_nums(static_argnums, len(args))
@@ -131,7 +133,7 @@ def _validate(api: str, transformed: Any, rng: Any, args: tuple, static_argnums:
                     f"{stack_axis!r}")
   problems = [p for p in problems if p]
   if problems:
-    raise HaikuInputError(format_message(f"{api}: invalid arguments:", bullets=problems,
+    raise AdapterInputError(format_message(f"{api}: invalid arguments:", bullets=problems,
                                          fix=f"Call it as {api}(hk.transform(fn), "
                                              "jax.random.key(0), *inputs, rules=..., mesh=...)."))
   return rng, static

@@ -39,8 +39,10 @@ from partition._rules.explain import explain as _explain
 from partition._rules.table import AxisRules
 
 
-class AdapterTypeError(PartitionError, TypeError):
-  """An adapter entry point got the wrong kind of object (a class, a function, an int key)."""
+class AdapterInputError(PartitionError, TypeError, ValueError):
+  """An adapter entry point (``partition.flax``, ``.nnx``, ``.haiku``) got an argument it
+  cannot use: the wrong kind of object (a class for an instance, a function, an int key) or
+  a bad value (``strict=2``, a key that is not a PRNG key, ``static_argnums`` out of range)."""
 
 
 def describe_value(x: Any) -> str:
@@ -99,7 +101,7 @@ def check_rngs(rngs: Any, api: str) -> None:
     return
   else:
     what = describe_value(rngs)
-  raise AdapterTypeError(
+  raise AdapterInputError(
       f"{api}: rngs must be a PRNG key or a dict of them, got {what}. Pass "
       "jax.random.key(0), or {'params': jax.random.key(0), 'dropout': jax.random.key(1)}.")
 
@@ -165,7 +167,7 @@ def place(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh, *, strict: bool
   (Haiku's ``(params, state)`` become ``params/...`` and ``state/...``).
   """
   if not isinstance(strict, bool):
-    raise AdapterTypeError(f"{api}(strict=...) takes True or False, got {short(strict)}.")
+    raise AdapterInputError(f"{api}(strict=...) takes True or False, got {short(strict)}.")
   shardings = shardings_for(tree, axes, rules, mesh)
   rename = named or (lambda t: t)
   audit_placement(unbox(rename(tree)), rename(axes), rename(shardings), rules, mesh,

@@ -49,3 +49,20 @@ def test_helpers_left_the_top_level():
   for name in ["did_you_mean", "format_message", "human_bytes", "atomic_write", "path_str"]:
     assert name not in vars(partition), name
     assert callable(getattr(partition.internal, name))
+
+
+@pytest.mark.parametrize("old, new", [("HaikuInputError", "partition.AdapterInputError"),
+                                      ("AxesTypeError", "partition.LogicalAxesError")])
+def test_haiku_error_classes_are_the_shared_ones(old, new):
+  import partition.haiku
+  with pytest.warns(DeprecationWarning, match=rf"partition\.haiku\.{old} is deprecated.*use "
+                    + new.replace(".", r"\.")):
+    cls = getattr(partition.haiku, old)
+  assert issubclass(cls, partition.PartitionError) and cls.__module__.startswith("partition._")
+  import haiku as hk
+  import jax
+  import jax.numpy as jnp
+  f = hk.transform(lambda x: hk.Linear(2)(x))
+  bad = {"HaikuInputError": dict(param_axes=42), "AxesTypeError": dict(param_axes=[("w", "embed")])}
+  with pytest.raises(cls, match=r"partition\.haiku\.eval_axes: param_axes"):  # what it raises
+    partition.haiku.eval_axes(f, jax.random.key(0), jnp.ones((1, 2)), **bad[old])
