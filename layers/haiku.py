@@ -23,9 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
+
+from partition.internal import needs_extra
+
+with needs_extra("haiku", by="layers.haiku"):
+  import haiku as hk
 
 import partition
 import partition.haiku

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from partition.internal import needs_extra
+
+with needs_extra("flax", by="layers.linen"):
+  import flax.linen as nn
 
 import partition
 from layers import _core, _decode, _model, _moe

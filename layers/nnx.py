@@ -24,7 +24,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+
+from partition.internal import needs_extra
+
+with needs_extra("flax", by="layers.nnx"):
+  from flax import nnx
 
 import partition
 from layers import _core, _decode, _model, _moe

@@ -27,8 +27,12 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-from flax import linen as nn
-from flax.core import meta
+
+from partition._base.extras import needs_extra
+
+with needs_extra("flax", by="partition.flax"):
+  from flax import linen as nn
+  from flax.core import meta
 
 from partition._base.deprecations import deprecated_getattr
 from partition._base.errors import did_you_mean, format_message

@@ -32,11 +32,15 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 
 from partition._base.deprecations import deprecated_getattr
+from partition._base.extras import needs_extra
+
+with needs_extra("haiku", by="partition.haiku"):
+  import haiku as hk
+
 from partition._base.logical_axes import LogicalAxesTypeError, WithAxes, abstract
 from partition._base.mesh import AnyMesh
 from partition._haiku.errors import _PARAMS, _STATE, STACK_AXIS, Axes

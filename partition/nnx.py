@@ -27,7 +27,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-from flax import nnx
+
+from partition._base.extras import needs_extra
+
+with needs_extra("flax", by="partition.nnx"):
+  from flax import nnx
 
 from partition._base.deprecations import deprecated_getattr
 from partition._base.errors import did_you_mean

@@ -15,8 +15,12 @@ from typing import Any
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
+
+from partition.internal import needs_extra
+
+with needs_extra("recipes", by="recipes.checkpoint"):
+  import orbax.checkpoint as ocp
 
 import partition
 from partition import path_str as path_of

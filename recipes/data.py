@@ -38,10 +38,14 @@ import functools
 import pathlib
 from typing import Any
 
-import grain
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
+
+from partition.internal import needs_extra
+
+with needs_extra("recipes", by="recipes.data"):
+  import grain
 
 from recipes.config import TrainConfigError
 

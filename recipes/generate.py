@@ -43,6 +43,7 @@ if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from partition import PartitionError  # noqa: E402
+from partition.internal import needs_extra  # noqa: E402
 from recipes import report  # noqa: E402
 
 
@@ -239,7 +240,8 @@ def parse_ids(text: str) -> list[int]:
 def restore_params(source: Source, rules, mesh) -> Any:
   """The run's params restored straight into their shards on ``mesh`` (nothing else of
   the train state is read)."""
-  import orbax.checkpoint as ocp
+  with needs_extra("recipes", by="recipes.generate"):
+    import orbax.checkpoint as ocp
 
   from recipes.checkpoint import Checkpointer, restore_target
 

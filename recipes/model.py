@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 import layers
 import partition
+from partition.internal import needs_extra
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +54,8 @@ def _linen(config, seed, example, rules, mesh, abstract):
 
 
 def _nnx(config, seed, example, rules, mesh, abstract):
-  from flax import nnx
+  with needs_extra("flax", by="recipes.model"):
+    from flax import nnx
 
   import partition.nnx
   from layers import nnx as layers_nnx
@@ -81,7 +83,8 @@ def _nnx(config, seed, example, rules, mesh, abstract):
 
 
 def _haiku(config, seed, example, rules, mesh, abstract):
-  import haiku as hk
+  with needs_extra("haiku", by="recipes.model"):
+    import haiku as hk
 
   import partition.haiku
   from layers import haiku as layers_hk

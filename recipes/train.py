@@ -36,8 +36,12 @@ if __name__ == "__main__":
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
+
+from partition.internal import needs_extra  # noqa: E402
+
+with needs_extra("recipes", by="recipes.train"):
+  import optax
 
 import partition  # noqa: E402
 from partition import PartitionError  # noqa: E402
