@@ -134,7 +134,7 @@ def _collectives(plt, data: dict[str, Any], path: Path) -> Path:
 
 
 def compact_markdown(data: dict[str, Any]) -> str:
-  """One table for the top-level README from ``results.json``: every targeted row, the
+  """One compact table from ``results.json``: every targeted row, the
   SerialLoop(k) memory rows folded into their worst ratio per target."""
   lines = ["| # | workload | metric | ratio | target | status | note |",
            "|---|---|---|---|---|---|---|"]

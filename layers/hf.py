@@ -77,7 +77,7 @@ import numpy as np
 
 from layers._config import RopeScaling, TransformerConfig
 from partition import PartitionError
-from partition.internal import atomic_write, format_message
+from partition.internal import atomic_write, format_message, needs_extra
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -394,7 +394,8 @@ class _Files:
   """The safetensors files of a checkpoint: which file holds each tensor, opened lazily."""
 
   def __init__(self, directory: pathlib.Path):
-    import safetensors
+    with needs_extra("recipes", by="layers.hf"):
+      import safetensors
     self.directory, self._open, self._handles = directory, safetensors.safe_open, {}
     index = directory / INDEX
     if index.is_file():
@@ -584,7 +585,8 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
 
 def _write_tensors(directory: pathlib.Path, tensors: dict[str, np.ndarray],
                    max_shard_bytes: int | None) -> list[str]:
-  import safetensors.numpy
+  with needs_extra("recipes", by="layers.hf"):
+    import safetensors.numpy
 
   shards, size = [{}], 0
   for key in sorted(tensors):

@@ -15,6 +15,7 @@ import json.decoder
 import json.scanner
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,11 +25,6 @@ from partition._base import io as _io
 from partition._base.errors import format_message, short
 from partition._rules.errors import RulesConfigError, RulesConfigTypeError
 from partition._rules.schema import ENTRY_FIX, key_parts, parse_document, parse_selected, select
-
-try:  # Python >= 3.11
-  import tomllib
-except ModuleNotFoundError:  # pragma: no cover
-  import tomli as tomllib  # type: ignore[no-redef]
 
 FORMATS = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml", ".json": "json"}
 MAX_FILE_BYTES = _io.MAX_READ_BYTES
