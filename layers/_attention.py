@@ -13,7 +13,9 @@ with ``g = heads // kv_heads``, and they differ only in how they get there:
 ``blockwise``  pure JAX, every backend: an online softmax over ``block``-wide K/V chunks
                (``lax.scan``) with a flash-style custom VJP that saves only the output and
                the log-sum-exp and recomputes each block in the backward pass (memory
-               ``O(L x block)`` per head). GQA without repeating K/V.
+               ``O(L x block)`` per head). GQA without repeating K/V. Under a causal mask
+               the queries are blocked too and the fully masked (query block, key block)
+               pairs are never computed (about half the FLOPs).
 ``cudnn``      ``jax.nn.dot_product_attention(implementation='cudnn')`` (NVIDIA GPUs):
                ``is_causal`` and padding as sequence lengths; no segment ids.
 ``pallas``     the Pallas TPU splash-attention kernel (causal mask as a block-sparse
