@@ -13,7 +13,9 @@ GPUs), both bf16 compute with fp32 params and AdamW, on one device:
 * the ``k = 4`` micro-batch overhead (``partition.value_and_grad(microbatches=4)`` over ``k=1``);
 * batch 1 at long sequences (8192 and 32768 tokens on an accelerator);
 * the attention kernel's compiled temp memory over the length (``'xla'`` against
-  ``'blockwise'``, and the fused kernel where there is one): the memory curve.
+  ``'blockwise'``, and the fused kernel where there is one): the memory curve; and the
+  blockwise path's causal over non-causal FLOPs at 8 blocks (it skips the fully masked
+  blocks: ``36 / 64`` of the pairs).
 
 The model is sized to the device: the issue's 1.07 B-parameter config on a GPU/TPU with at least
 80 GB, a smaller one below, a tiny one on CPU (a smoke test: it runs in the test suite). Results
@@ -234,6 +236,27 @@ def attention_memory_curve(cfg: layers.TransformerConfig, lengths, implementatio
   return out
 
 
+def blockwise_causal_flops(cfg: layers.TransformerConfig, blocks: int = 8) -> dict[str, Any]:
+  """XLA's FLOPs of the blockwise attention's forward + backward, causal against non-causal,
+  at ``blocks`` blocks per side (batch 1, the model's heads; scans unrolled, as XLA's cost
+  analysis counts a loop body once). Expected: ``(n + 1) / (2 n)`` of the pairs run."""
+  from layers import _attention
+  block = min(cfg.attention_block, 128)
+  q = jax.ShapeDtypeStruct((1, blocks * block, cfg.num_heads, cfg.head_dim), cfg.dtype)
+  kv = jax.ShapeDtypeStruct((1, blocks * block, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
+
+  def flops(causal):
+    f = lambda q, k, v, w: jnp.sum(w * _attention.blockwise_attention(
+        q, k, v, _attention.Mask(causal=causal), block=block, unroll=True).astype(jnp.float32))
+    cost = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+
+  causal, full = flops(True), flops(False)
+  return {"blocks": blocks, "length": blocks * block, "causal_flops": causal,
+          "full_flops": full, "ratio": causal / full,
+          "pairs_ratio": (blocks + 1) / (2 * blocks)}
+
+
 def run(size: Size | None = None, out: pathlib.Path | None = OUT) -> dict[str, Any]:
   """Every measurement on ``jax.devices()[0]``; written to ``out`` (None: not written)."""
   device = jax.devices()[0]
@@ -274,6 +297,8 @@ def run(size: Size | None = None, out: pathlib.Path | None = OUT) -> dict[str, A
   impls = ["xla", "blockwise"] + ([fused] if fused else [])
   curve = attention_memory_curve(cfg, size.curve, impls)
   log(f"attention temp memory curve: {curve}")
+  causal_flops = blockwise_causal_flops(cfg)
+  log(f"blockwise causal / non-causal FLOPs: {causal_flops}")
   ours, ref, micro = rows[0], rows[1], rows[2]
   summary = {
       "ours_over_reference_time": _ratio(ours, ref, "step_s"),
@@ -285,7 +310,8 @@ def run(size: Size | None = None, out: pathlib.Path | None = OUT) -> dict[str, A
             "jax": jax.__version__, "model": size.name, "num_params": n,
             "config": {k: str(v) for k, v in dataclasses.asdict(cfg).items()},
             "batch": size.batch, "length": size.length, "attention": str(choice),
-            "rows": rows, "summary": summary, "attention_memory_curve": curve}
+            "rows": rows, "summary": summary, "attention_memory_curve": curve,
+            "blockwise_causal_flops": causal_flops}
   if out is not None:
     out.write_text(json.dumps(result, indent=2) + "\n")
   return result
@@ -319,6 +345,11 @@ def markdown(result: dict[str, Any]) -> str:
             "| length | " + " | ".join(impls) + " |", "|---|" + "---|" * len(impls)]
   lines += ["| " + str(c["length"]) + " | " + " | ".join(gb(c[i]) for i in impls) + " |"
             for c in curve]
+  cf = result.get("blockwise_causal_flops")
+  if cf:
+    lines += ["", f"Blockwise attention, causal / non-causal XLA FLOPs (forward + backward, "
+                  f"{cf['blocks']} blocks of {cf['length'] // cf['blocks']}): "
+                  f"{cf['ratio']:.3f} (pairs run: {cf['pairs_ratio']:.4f})."]
   s = result["summary"]
   f = lambda x: "-" if x is None else f"{x:.2f}"
   lines += ["", f"ours / reference: time {f(s['ours_over_reference_time'])}, temp "

@@ -58,6 +58,7 @@ from partition._rules.context import axis_rules, current_rules, current_rules_me
 from partition._rules.table import AxisRules, is_axes_leaf
 from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap.api import xmap
+from partition._xmap.program import reduced_dtype
 from partition._xmap.specs import Logical, Mean
 
 _MICRO = "__microbatch__"
@@ -140,19 +141,19 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
   if any(isinstance(i, bool) or not isinstance(i, int) or i < 2 for i in rng_argnums):
     raise SpecError(f"value_and_grad: rng_argnums={rng_argnums!r} must be positions >= 2 in "
                     "(params, batch, *rest): keys are extra arguments after the batch.")
-  config = _Config(loss_fn, batch_axes, param_axes, rules, mesh, has_aux, microbatches,
-                   batch_axis, rng_argnums, grad_reduction)
-  jitted = jax.jit(config.step, static_argnames="known")
+  settings = _Settings(loss_fn, batch_axes, param_axes, rules, mesh, has_aux, microbatches,
+                       batch_axis, rng_argnums, grad_reduction)
+  jitted = jax.jit(settings.step, static_argnames="known")
 
   def step(params, batch, *rest):
     args = (params, batch, *rest)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
-      return config.step(*args)
-    params, batch = config.place(params, batch)
+      return settings.step(*args)
+    params, batch = settings.place(params, batch)
     # The committed params' shardings are read here, where they are concrete: inside the
     # jitted step a parameter without logical axes is a tracer whose Auto-axis sharding JAX
     # does not show, and its gradient would have nothing to keep.
-    return jitted(params, batch, *rest, known=_KnownSpecs.of(config, params))
+    return jitted(params, batch, *rest, known=_KnownSpecs.of(settings, params))
 
   step.__name__ = f"value_and_grad_{getattr(loss_fn, '__name__', 'loss')}"
   step.__doc__ = loss_fn.__doc__
@@ -160,7 +161,9 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
-class _Config:
+class _Settings:
+  """``value_and_grad``'s arguments, fixed when the step is built; ``step`` runs them."""
+
   loss_fn: Callable
   batch_axes: Any
   param_axes: Any
@@ -171,6 +174,11 @@ class _Config:
   batch_axis: str | None
   rng_argnums: tuple[int, ...]
   grad_reduction: str = "auto"
+
+  @property
+  def rng_positions(self) -> list[int]:
+    """The keys' positions in ``rest`` (after params and batch)."""
+    return [i - 2 for i in self.rng_argnums]
 
   def context(self):
     rules = current_rules(self.rules)
@@ -184,7 +192,7 @@ class _Config:
     rules, mesh = self.context()
     if rules is None or not isinstance(mesh, jax.sharding.Mesh):
       return params, batch
-    _BatchPlan.build(self, batch, rules, mesh)  # validates batch_axes against the batch
+    _MicrobatchSplit.build(self, batch, rules, mesh)  # validates batch_axes against the batch
     specs = _param_specs(self.param_axes, params, rules, mesh)
     params = jax.tree.map(lambda s, sub: _commit(sub, mesh, s), specs, params, is_leaf=_is_spec)
     axes = _broadcast_axes(self.batch_axes, batch)
@@ -193,64 +201,166 @@ class _Config:
     return params, batch
 
   def step(self, params, batch, *rest, known: _KnownSpecs | None = None):
+    """``(value, grads)``: reduced once after the micro-batch loop where that schedule
+    applies, else by the per-micro-batch loop."""
     rules, mesh = self.context()
-    batch_plan = _BatchPlan.build(self, batch, rules, mesh)
-    k = batch_plan.k
+    split = _MicrobatchSplit.build(self, batch, rules, mesh)
     param_specs = (known.specs() if known is not None
                    else _param_specs(self.param_axes, params, rules, mesh))
-    once = _reduce_once_rule(self, batch_plan, param_specs, rules, mesh)
+    once = _reduce_once_rule(self, split, param_specs, rules, mesh)
     if once is not None:
-      try:
-        with _abstract_mesh_context(mesh):
-          return reduce_once_step(
-              self.loss_fn, self.has_aux, params, batch, rest, rules=rules, mesh=mesh,
-              batch_axes=batch_plan.axes, dims=batch_plan.dims, k=k, m=batch_plan.m,
-              mesh_axes=batch_plan.mesh_axes, param_specs=param_specs, once=once,
-              rng_positions=[i - 2 for i in self.rng_argnums])
-      except ValueError as e:
-        # A model that cannot run per device shard keeps the per-micro-batch loop under
-        # 'auto': it pins the batch's mesh axes itself (with_sharding_constraint(x,
-        # P('data', ...))), or runs its own shard_map (partition.pipeline over 'stage'). A
-        # real mistake in the model fails the same way on that path, with its own message.
-        if self.grad_reduction == "once":
-          raise (_once_error(e, batch_plan.mesh_axes) if "spmd_axis_name" in str(e) else e) from e
-    # k micro-batches are a named loop axis; with k = 1 there is no axis at all (a size-1
-    # vmap would only add copies), and xmap just places the step.
-    looped = k > 1
-    micro = jax.tree.map(batch_plan.to_micro, batch, batch_plan.dims) if looped else batch
-    rest = list(rest)
-    rng_positions = [i - 2 for i in self.rng_argnums]
-    if looped:
-      for i in rng_positions:
-        rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
+      result = self._reduced_once(params, batch, rest, split, param_specs, once, rules, mesh)
+      if result is not None:
+        return result
+    return self._reduced_per_microbatch(params, batch, rest, split, param_specs, rules, mesh)
 
+  def _reduced_once(self, params, batch, rest, split, param_specs, once, rules, mesh):
+    """The reduce-once schedule (``reduce_once.py``), or ``None`` where the model cannot run
+    per device shard and ``'auto'`` falls back to the per-micro-batch loop."""
+    try:
+      with _abstract_mesh_context(mesh):
+        return reduce_once_step(
+            self.loss_fn, self.has_aux, params, batch, rest, rules=rules, mesh=mesh,
+            batch_axes=split.axes, dims=split.dims, k=split.k, m=split.m,
+            mesh_axes=split.mesh_axes, param_specs=param_specs, once=once,
+            rng_positions=self.rng_positions)
+    except ValueError as e:
+      # A model that cannot run per device shard keeps the per-micro-batch loop under
+      # 'auto': it pins the batch's mesh axes itself (with_sharding_constraint(x,
+      # P('data', ...))), or runs its own shard_map (partition.pipeline over 'stage'). A
+      # real mistake in the model fails the same way on that path, with its own message.
+      if self.grad_reduction == "once":
+        raise (_once_error(e, split.mesh_axes) if "spmd_axis_name" in str(e) else e) from e
+      return None
+
+  def _reduced_per_microbatch(self, params, batch, rest, split, param_specs, rules, mesh):
+    """The k micro-batches as a loop whose gradient carry stays in the parameters'
+    shardings, so gradients are reduced over the batch's mesh axes in every iteration: a
+    ``lax.scan`` (no mesh, or Auto mesh axes only), else an xmap loop axis (Explicit axes:
+    xmap runs the model in its Auto region). With k = 1 there is no loop: xmap just places
+    the step."""
+    if split.k > 1 and _scannable(rules, mesh):
+      return self._scanned(params, batch, rest, split, param_specs, rules, mesh)
+    return self._xmapped(params, batch, rest, split, param_specs, rules, mesh)
+
+  def _scanned(self, params, batch, rest, split, param_specs, rules, mesh):
+    """``lax.scan`` over the k micro-batches, value and gradients summed in the carry and
+    divided by k after the loop. The model runs on each micro-batch as written (xmap's loop
+    would run it under a size-1 vmap of the micro-batch axis: batched weight-gradient dots,
+    transposes and size-1 sums in every micro-step)."""
+    place = _placer(rules, mesh)
+    micro = jax.tree.map(split.to_micro, batch, split.dims)
+    keys = self._keys_per_microbatch(rest, split.k)
+    keyed = set(self.rng_positions)
+    loss_and_grad = self._value_and_grad_in_context(rules, mesh)
+
+    def micro_step(j, micro_batch):
+      micro_batch = jax.tree.map(lambda axes, x: place(x, rules and rules.spec(
+          axes, np.shape(x), mesh)), split.axes, micro_batch, is_leaf=is_axes_leaf)
+      args = [keys[i][j] if i in keyed else a for i, a in enumerate(rest)]
+      return loss_and_grad(params, micro_batch, *args)
+
+    def carried(out):  # the gradients in their parameters' shardings
+      value, grads = out
+      return value, _map_param_specs(place, param_specs, grads)
+
+    def body(carry, xs):
+      out = micro_step(*xs)
+      return carried(jax.tree.map(lambda c, x: (c + x).astype(c.dtype), carry, out)), None
+
+    first = jax.tree.map(lambda x: x[0], micro)
+    shapes = jax.eval_shape(micro_step, 0, first)
+    zero = carried(jax.tree.map(lambda s: jnp.zeros(s.shape, reduced_dtype(s.dtype)), shapes))
+    with _abstract_mesh_context(mesh):
+      total, _ = jax.lax.scan(body, zero, (jnp.arange(split.k), micro))
+      value, grads = jax.tree.map(lambda x: x / split.k, total)
+      return value, _map_param_specs(place, param_specs, grads)
+
+  def _xmapped(self, params, batch, rest, split, param_specs, rules, mesh):
+    """The micro-batches as an xmap axis on a ``SerialLoop(k)`` (or none with k = 1)."""
+    looped = split.k > 1
+    micro = jax.tree.map(split.to_micro, batch, split.dims) if looped else batch
+    rest = self._keys_per_microbatch(rest, split.k) if looped else rest
+    sharded = mesh is not None and rules is not None
+    mapped = xmap(self._value_and_grad_in_context(rules, mesh),
+                  in_axes=self._in_axes(split, param_specs, len(rest), looped, sharded),
+                  out_axes=self._out_axes(param_specs, looped, sharded),
+                  axis_resources=_loop_resources(split.k, rules, sharded),
+                  mesh=mesh if sharded else None)
+    with _abstract_mesh_context(mesh if sharded else None):
+      return mapped(params, micro, *rest)
+
+  def _keys_per_microbatch(self, rest, k):
+    """Each PRNG key in ``rest`` as ``k`` keys, ``fold_in(key, j)`` for micro-batch ``j``."""
+    rest = list(rest)
+    for i in self.rng_positions:
+      rest[i] = jax.vmap(lambda j, key=rest[i]: jax.random.fold_in(key, j))(jnp.arange(k))
+    return rest
+
+  def _value_and_grad_in_context(self, rules, mesh):
+    """``jax.value_and_grad(loss_fn)`` run under the rules, on the mesh in context when
+    traced (on Explicit meshes that is xmap's Auto region, whose axis types apply to the
+    model's constraints)."""
     def per_micro(params, micro_batch, *rest):
-      # The model's constraints use the mesh in context at this point: on Explicit meshes
-      # that is xmap's Auto region, whose axis types are the ones that apply.
       traced_mesh = jax.sharding.get_abstract_mesh()
       with axis_rules(rules, mesh if traced_mesh.empty else traced_mesh) \
           if rules is not None else contextlib.nullcontext():
         return jax.value_and_grad(self.loss_fn, has_aux=self.has_aux)(params, micro_batch,
                                                                       *rest)
+    return per_micro
 
-    sharded = mesh is not None and rules is not None
+  def _in_axes(self, split, param_specs, n_rest, looped, sharded):
+    """xmap's in_axes: params by their specs, the batch (and keys) named on the loop axis."""
     named = [_MICRO, ...] if looped else None
-    reduced = (lambda axes: Mean(_MICRO, axes=axes)) if looped else (lambda axes: axes)
     param_in = param_specs if sharded else [...]
-    grad_out = (jax.tree.map(reduced, param_specs, is_leaf=_is_spec) if sharded
-                else reduced([...]))
     batch_in = jax.tree.map(
         lambda axes: Logical(*axes, named=named) if sharded else (named or [...]),
-        batch_plan.axes, is_leaf=is_axes_leaf)
-    rest_in = tuple(named if i in rng_positions and looped else [...] for i in range(len(rest)))
+        split.axes, is_leaf=is_axes_leaf)
+    rest_in = tuple(named if i in self.rng_positions and looped else [...]
+                    for i in range(n_rest))
+    return (param_in, batch_in, *rest_in)
+
+  def _out_axes(self, param_specs, looped, sharded):
+    """xmap's out_axes: value (and aux) and gradients averaged over the loop axis, the
+    gradients in their parameters' specs."""
+    reduced = (lambda axes: Mean(_MICRO, axes=axes)) if looped else (lambda axes: axes)
+    grad_out = (jax.tree.map(reduced, param_specs, is_leaf=_is_spec) if sharded
+                else reduced([...]))
     value_out = (reduced([...]), reduced([...])) if self.has_aux else reduced([...])
-    resources = {_MICRO: (SerialLoop(k),)} if looped else {}
-    mapped = xmap(per_micro, in_axes=(param_in, batch_in, *rest_in),
-                  out_axes=(value_out, grad_out),
-                  axis_resources=_RulesWith(rules, resources) if sharded else resources,
-                  mesh=mesh if sharded else None)
-    with _abstract_mesh_context(mesh if sharded else None):
-      return mapped(params, micro, *rest)
+    return (value_out, grad_out)
+
+
+def _scannable(rules, mesh) -> bool:
+  """No mesh, or a concrete mesh whose axes are all Auto (Explicit axes need xmap's Auto
+  region around the model)."""
+  if rules is None or mesh is None:
+    return True
+  return isinstance(mesh, jax.sharding.Mesh) and all(
+      t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def _placer(rules, mesh):
+  """``place(x, spec)``: ``x`` constrained to ``spec`` on ``mesh`` (as is without a mesh or
+  where the spec is unknown: left to propagation)."""
+  if rules is None or mesh is None:
+    return lambda x, spec: x
+  return lambda x, spec: x if spec is None else jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, spec))
+
+
+def _map_param_specs(f, param_specs, grads):
+  """``f(leaf, spec)`` over ``grads``, one spec per parameter subtree (boxes included)."""
+  if param_specs is None:
+    return jax.tree.map(lambda g: f(g, None), grads)
+  return jax.tree.map(lambda spec, sub: jax.tree.map(lambda g: f(g, spec), sub),
+                      param_specs, grads, is_leaf=_is_spec)
+
+
+def _loop_resources(k: int, rules, sharded: bool):
+  """xmap's axis_resources: the micro-batch axis on a ``SerialLoop(k)``, the rest by
+  ``rules``."""
+  resources = {_MICRO: (SerialLoop(k),)} if k > 1 else {}
+  return _RulesWith(rules, resources) if sharded else resources
 
 
 def _check_grad_reduction(grad_reduction) -> None:
@@ -272,16 +382,17 @@ def _once_error(e: ValueError, mesh_axes) -> GradSpecError:
           "nn.with_logical_constraint), or use grad_reduction='per_microbatch'."))
 
 
-def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mesh):
+def _reduce_once_rule(settings: _Settings, split: _MicrobatchSplit, param_specs, rules,
+                      mesh):
   """``once(spec)`` for the parameters whose gradients are reduced after the micro-batch
   loop, or ``None`` where the per-micro-batch schedule (the xmap loop) runs everything."""
-  if (config.grad_reduction == "per_microbatch" or plan.k == 1 or plan.m == 1
+  if (settings.grad_reduction == "per_microbatch" or split.k == 1 or split.m == 1
       or rules is None or not isinstance(mesh, jax.sharding.Mesh)):
     return None
-  axes = plan.mesh_axes
+  axes = split.mesh_axes
   types = dict(zip(mesh.axis_names, mesh.axis_types))
   explicit = [a for a in axes if types.get(a) == jax.sharding.AxisType.Explicit]
-  if explicit and config.grad_reduction == "once":
+  if explicit and settings.grad_reduction == "once":
     raise GradSpecError(
         f"value_and_grad(grad_reduction='once'): the batch's mesh axes {explicit} are "
         "Explicit; reducing once is built on Auto axes. Use a mesh with AxisType.Auto for "
@@ -292,7 +403,7 @@ def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mes
     # axes, with no logical axes): the loop below would hand XLA an unconstrained sum, and
     # its gradient would come back replicated. The per-micro-batch loop leaves it to
     # propagation from the parameter, which keeps the parameter's sharding.
-    if config.grad_reduction == "once":
+    if settings.grad_reduction == "once":
       raise GradSpecError(format_message(
           "value_and_grad(grad_reduction='once'): the shardings of some parameters are "
           "unknown (they have no logical axes, and inside an enclosing jax.jit JAX does not "
@@ -302,7 +413,7 @@ def _reduce_once_rule(config: _Config, plan: _BatchPlan, param_specs, rules, mes
           fix="Give param_axes= (or declare the axes in the model), call the step outside "
               "jax.jit with committed parameters, or use grad_reduction='auto'."))
     return None
-  if config.grad_reduction == "once":
+  if settings.grad_reduction == "once":
     return lambda spec: True
   if explicit:
     return None
@@ -339,7 +450,7 @@ class _RulesWith:
 
 
 @dataclasses.dataclass(frozen=True)
-class _BatchPlan:
+class _MicrobatchSplit:
   """How the batch is cut: ``k`` micro-batches of the batch dim ``dims`` of every leaf,
   ``m`` devices along it."""
 
@@ -350,11 +461,11 @@ class _BatchPlan:
   mesh_axes: tuple[str, ...] = ()  # the mesh axes of the batch dim
 
   @staticmethod
-  def build(config: _Config, batch, rules, mesh) -> _BatchPlan:
-    axes = _broadcast_axes(config.batch_axes, batch)
+  def build(settings: _Settings, batch, rules, mesh) -> _MicrobatchSplit:
+    axes = _broadcast_axes(settings.batch_axes, batch)
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     axes_leaves = jax.tree_util.tree_leaves(axes, is_leaf=is_axes_leaf)
-    name = config.batch_axis or (axes_leaves[0][0] if axes_leaves and axes_leaves[0] else None)
+    name = settings.batch_axis or (axes_leaves[0][0] if axes_leaves and axes_leaves[0] else None)
     problems, dims = [], []
     for (path, x), a in zip(leaves, axes_leaves):
       where = f"batch{jax.tree_util.keystr(path)}"
@@ -371,9 +482,9 @@ class _BatchPlan:
               f"{name!r} (or set batch_axis=)."))
     size = np.shape(leaves[0][1])[dims[0]] if leaves else 0
     mesh_axes, loops = _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh)
-    k = config.microbatches or math.prod(lp for lp in loops) or 1
-    if loops and config.microbatches and config.microbatches != math.prod(loops):
-      raise AxisSizeError(f"value_and_grad: microbatches={config.microbatches}, but the rules "
+    k = settings.microbatches or math.prod(lp for lp in loops) or 1
+    if loops and settings.microbatches and settings.microbatches != math.prod(loops):
+      raise AxisSizeError(f"value_and_grad: microbatches={settings.microbatches}, but the rules "
                           f"give the batch axis {name!r} serial loops {loops}; choose one.")
     m = _mesh.resource_size(mesh, mesh_axes) if mesh_axes else 1
     bad = [f"batch{jax.tree_util.keystr(p)} has {np.shape(x)[d]} rows along {name!r}"
@@ -384,7 +495,7 @@ class _BatchPlan:
           "micro-batch(es) of equal size.", bullets=bad,
           fix=f"Use a batch size that is a multiple of {m * k} (the same in every leaf)."))
     treedef = jax.tree_util.tree_structure(batch)
-    return _BatchPlan(jax.tree_util.tree_unflatten(treedef, axes_leaves),
+    return _MicrobatchSplit(jax.tree_util.tree_unflatten(treedef, axes_leaves),
                       jax.tree_util.tree_unflatten(treedef, dims), k, m, tuple(mesh_axes))
 
   def to_micro(self, x, dim: int):
@@ -495,12 +606,12 @@ class _KnownSpecs:
   treedef: Any
 
   @staticmethod
-  def of(config: _Config, params) -> _KnownSpecs | None:
-    rules, mesh = config.context()
+  def of(settings: _Settings, params) -> _KnownSpecs | None:
+    rules, mesh = settings.context()
     if rules is None or not isinstance(mesh, jax.sharding.Mesh):
       return None
     leaves, treedef = jax.tree_util.tree_flatten(
-        _param_specs(config.param_axes, params, rules, mesh), is_leaf=_is_spec)
+        _param_specs(settings.param_axes, params, rules, mesh), is_leaf=_is_spec)
     return _KnownSpecs(tuple(leaves), treedef)
 
   def specs(self):

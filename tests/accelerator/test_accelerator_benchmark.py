@@ -23,6 +23,8 @@ def test_smoke_run_on_cpu_writes_every_measurement(tmp_path):
       accelerator.size_for(jax.devices()[0]).config, jax.random.key(0))))
   curve = result["attention_memory_curve"]
   assert curve[-1]["blockwise"] < curve[-1]["xla"]
+  flops = result["blockwise_causal_flops"]
+  assert flops["pairs_ratio"] == 36 / 64 and flops["ratio"] <= 0.65, flops
   assert "| run |" in accelerator.markdown(result)
 
 

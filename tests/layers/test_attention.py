@@ -45,9 +45,10 @@ def _masks(b=B, length=L):
                                         segment_ids=jnp.asarray(seg))}
 
 
-def _visible_np(mask, b, length):
-  i, j = np.arange(length)[:, None], np.arange(length)[None, :]
-  vis = np.ones((b, length, length), bool)
+def _visible_np(mask, b, length, kv_length=None):
+  kv_length = length if kv_length is None else kv_length
+  i, j = np.arange(length)[:, None], np.arange(kv_length)[None, :]
+  vis = np.ones((b, length, kv_length), bool)
   if mask.causal:
     vis &= i >= j
   if mask.valid is not None:
@@ -67,7 +68,7 @@ def _numpy_attention(q, k, v, mask):
   q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
   b, length, heads, d = q.shape
   g = heads // k.shape[2]
-  vis = _visible_np(mask, b, length)
+  vis = _visible_np(mask, b, length, k.shape[1])
   out = np.zeros_like(q)
   for h in range(heads):
     s = np.einsum("bld,bsd->bls", q[:, :, h], k[:, :, h // g]) / np.sqrt(d)
@@ -135,6 +136,63 @@ def test_blockwise_with_a_query_offset_is_a_slice_of_the_whole():
   parts["q_seg"] = parts["q_seg"][:, 7:14]
   part = A._blockwise_kernel(q[:, 7:14], k, v, parts, causal=True, q_offset=7, block=8)
   _close(part, whole[:, 7:14])
+
+
+@pytest.mark.parametrize("kind", ["causal", "full", "lengths"])
+@pytest.mark.parametrize("q_length,kv_length", [(13, 21), (21, 13)])
+def test_blockwise_with_fewer_or_more_queries_than_keys_equals_xla(kind, q_length, kv_length):
+  """q_length != kv_length, neither a multiple of the block (8): query i sees keys j <= i
+  (both counted from 0), forward against the float64 definition, gradients against xla."""
+  q = _qkv(length=q_length)[0]
+  _, k, v = _qkv(length=kv_length, seed=1)
+  mask = {"causal": A.Mask(), "full": A.Mask(causal=False),
+          "lengths": A.Mask(lengths=jnp.array([9, 21]))}[kind]
+  out = A.dot_product_attention(q, k, v, mask, implementation="blockwise", block=8)
+  _close(out, _numpy_attention(q, k, v, mask))
+  w = jax.random.normal(jax.random.key(9), q.shape)
+
+  def grads(implementation):
+    f = lambda q, k, v: jnp.sum(w * A.dot_product_attention(
+        q, k, v, mask, implementation=implementation, block=8))
+    return jax.jit(jax.grad(f, argnums=(0, 1, 2)))(q, k, v)
+
+  for got, want in zip(grads("blockwise"), grads("xla")):
+    _close(got, want, atol=1e-5)
+
+
+def test_causal_schedule_visits_the_blocks_at_or_below_the_diagonal():
+  """Hand-worked: 21 queries and keys in blocks of 8 (blocks 0-7, 8-15, 16-20)."""
+  s = A._Schedule.of(21, 21, 8, True, 0)
+  assert (s.q_block, s.q_blocks, s.kv_blocks) == (8, 3, 3)
+  assert s.pairs == ((0, 0), (1, 0), (1, 1), (2, 0), (2, 1), (2, 2))
+  # queries at positions 7..13 (a sequence-sharded block) see keys 0..13: key blocks 0, 1
+  assert A._Schedule.of(7, 21, 8, True, 7).pairs == ((0, 0), (0, 1))
+  # no causal mask, or a traced offset: one query block, every key block
+  assert A._Schedule.of(21, 21, 8, False, 0).pairs == ((0, 0), (0, 1), (0, 2))
+  assert A._Schedule.of(21, 21, 8, True, jnp.int32(0)).q_blocks == 1
+
+
+def test_blockwise_causal_skips_the_masked_blocks_in_xla_flops():
+  """XLA's cost_analysis of the compiled forward + backward (scans unrolled: XLA counts a
+  loop body once). With n = 8 blocks per side, a causal mask leaves n (n + 1) / 2 = 36 of
+  the n^2 = 64 (query block, key block) pairs: 0.5625 of the non-causal FLOPs (matmuls and
+  the per-element softmax alike), plus the causal mask's own per-element selects."""
+  n, block, d = 8, 16, 64
+  q = jax.ShapeDtypeStruct((1, n * block, 2, d), jnp.float32)
+  kv = jax.ShapeDtypeStruct((1, n * block, 1, d), jnp.float32)
+
+  def flops(causal):
+    f = lambda q, k, v, w: jnp.sum(w * A.blockwise_attention(
+        q, k, v, A.Mask(causal=causal), block=block, unroll=True))
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile()
+    return compiled.cost_analysis()["flops"]
+
+  causal, full = flops(True), flops(False)
+  # the non-causal count includes at least the forward's two matmuls and the backward's
+  # dv, dp, dq, dk (2 flops per multiply-add, per query head): 12 L^2 d heads
+  assert full >= 12 * (n * block) ** 2 * d * 2
+  pairs = n * (n + 1) / 2 / n ** 2
+  assert pairs - 0.05 <= causal / full <= 0.6, (causal, full, causal / full)
 
 
 # -- bfloat16 --------------------------------------------------------------------------------
