@@ -124,7 +124,7 @@ def _relations(cfg: TransformerConfig) -> list[str]:
   chunk = cfg.loss_chunk
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
     problems.append(f"loss_chunk={cfg.loss_chunk!r} must be an int >= 0 (tokens per row per "
-                    "step of the chunked cross-entropy, e.g. 1024; 0 = full logits)")
+                    "step of the chunked cross-entropy, e.g. 256; 0 = full logits)")
   if not isinstance(cfg.num_experts, int) or cfg.num_experts < 0:
     problems.append(f"num_experts={cfg.num_experts!r} must be an int >= 0 (0 = dense MLP)")
   elif cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
