@@ -25,6 +25,7 @@ from benchmarks import (  # noqa: E402
     accumulation,
     collectives,
     decode,
+    loss_memory,
     papers,
     pipeline,
     report,
@@ -36,7 +37,7 @@ from benchmarks import (  # noqa: E402
 )
 
 SECTIONS = (xmap_vs_vmap, serial_loop_memory, accumulation, rules_resolution, sharded_init,
-            train_step, collectives, papers, pipeline, decode)
+            train_step, collectives, papers, pipeline, decode, loss_memory)
 HERE = Path(__file__).resolve().parent
 
 

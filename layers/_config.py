@@ -121,6 +121,10 @@ def _relations(cfg: TransformerConfig) -> list[str]:
   if not isinstance(cfg.pipeline_microbatches, int) or cfg.pipeline_microbatches < 0:
     problems.append(f"pipeline_microbatches={cfg.pipeline_microbatches!r} must be an int >= 0 "
                     "(0 = one micro-batch per pipeline stage)")
+  chunk = cfg.loss_chunk
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    problems.append(f"loss_chunk={cfg.loss_chunk!r} must be an int >= 0 (tokens per row per "
+                    "step of the chunked cross-entropy, e.g. 256; 0 = full logits)")
   if not isinstance(cfg.num_experts, int) or cfg.num_experts < 0:
     problems.append(f"num_experts={cfg.num_experts!r} must be an int >= 0 (0 = dense MLP)")
   elif cfg.num_experts and not 1 <= cfg.experts_per_token <= cfg.num_experts:
@@ -225,6 +229,10 @@ class TransformerConfig:
       softmax, the reference), ``'cudnn'``, ``'pallas'`` or ``'blockwise'`` (memory-efficient
       online softmax in pure JAX, any backend). An explicit choice that cannot run raises.
     attention_block: the K/V block width of ``'blockwise'`` (and the Pallas kernel's block).
+    loss_chunk: with ``targets`` given to the Transformer (it then returns the per-token loss,
+      not logits), compute the cross-entropy at most this many tokens of each row at a time
+      (``layers._loss.chunked_cross_entropy``): the fp32 ``(batch, length, vocab)`` logits
+      never exist, in the forward or the backward pass. 0 = from the full logits.
 
   Raises:
     ConfigError: listing every invalid field and how to fix it.
@@ -255,6 +263,7 @@ class TransformerConfig:
   pipeline_repeats: int = 1
   attention: str = "auto"
   attention_block: int = 512
+  loss_chunk: int = 0
 
   def __post_init__(self):
     problems = _positive(self) + _relations(self)

@@ -31,10 +31,11 @@ import jax
 import jax.numpy as jnp
 
 import partition
-from layers import _core, _moe
+from layers import _core, _loss, _moe
 from layers._attention import Mask
 from layers._config import ConfigError, TransformerConfig
-from layers._params import ParamSpec, block_params, check_tokens
+from layers._params import LayerArgumentError, ParamSpec, block_params, check_tokens
+from partition.internal import format_message
 
 Array = jax.Array
 Params = dict[str, Any]
@@ -217,11 +218,13 @@ def _tied_lm(config: TransformerConfig):
 
 def transformer(p: Params, tokens: Array, config: TransformerConfig,
                 valid: Array | None = None, *, segment_ids: Array | None = None,
-                where: str = "layers.Transformer") -> tuple[Array, dict[str, Array]]:
+                targets: Array | None = None, where: str = "layers.Transformer"
+                ) -> tuple[Any, dict[str, Array]]:
   """Decoder-only LM on a parameter tree (``layers._params.transformer_params``).
 
   With ``config.tie_embeddings`` the table's gradient is formed as one dot (see
-  ``_tied_lm``; reverse-mode only: ``jax.jvp`` of a tied model is not supported).
+  ``_tied_lm``; reverse-mode only: ``jax.jvp`` of a tied model is not supported), except
+  with ``targets`` and ``config.loss_chunk > 0`` (see :func:`_chunked_loss`).
 
   Args:
     p: ``embed``, ``blocks`` (see :func:`apply_blocks`), ``final_norm`` and, when
@@ -232,15 +235,27 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
       A padded query's attention output is zero.
     segment_ids: ``(batch, length)`` ints, one id per packed sequence (tokens attend only
       within their segment), or None.
+    targets: ``(batch, length)`` int ids of the next tokens, or None. Given, the model
+      returns the per-token loss instead of the logits: ``(ce, correct)``, the fp32 softmax
+      cross-entropy and bool ``argmax(logits) == targets``, unmasked (the caller weighs
+      padding). With ``config.loss_chunk > 0`` it is computed ``loss_chunk`` tokens per row
+      at a time and the full logits never exist (``layers._loss.chunked_cross_entropy``);
+      with 0, from the full logits (``layers._loss.cross_entropy``).
     where: the caller's name for error messages.
 
   Returns:
-    ``(logits (batch, length, vocab), aux)``, aux merged over layers (``_core.merge_aux``).
+    ``(logits (batch, length, vocab), aux)`` or, with ``targets``, ``((ce, correct), aux)``;
+    aux merged over layers (``_core.merge_aux``).
   """
   c = config
   check_tokens(tokens, c.max_len, where)
+  if targets is not None:
+    _check_targets(targets, tokens.shape, where)
   table = p["embed"]["embedding"]
   rest = {k: v for k, v in p.items() if k != "embed"}
+  if targets is not None and c.loss_chunk:
+    loss, aux = _chunked_loss(p, tokens, targets, c, valid, segment_ids)
+    return loss, _core.merge_aux(aux)
   if c.tie_embeddings:
     logits, aux = _tied_lm(c)(table, rest, tokens, valid, segment_ids)
   else:
@@ -248,4 +263,45 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
     h, aux = _body(rest, x, c, tokens, valid, segment_ids)
     logits = partition.constrain(_core.dense(h, p["lm_head"]["kernel"], dtype=c.dtype),
                                  _core.LOGITS)
-  return logits, _core.merge_aux(aux)
+  out = logits if targets is None else _loss.cross_entropy(logits, targets)
+  return out, _core.merge_aux(aux)
+
+
+def _chunked_loss(p: Params, tokens: Array, targets: Array, config: TransformerConfig,
+                  valid: Array | None, segment_ids: Array | None
+                  ) -> tuple[tuple[Array, Array], dict[str, Array]]:
+  """``((ce, correct), aux)`` by ``layers._loss.chunked_cross_entropy``: no full logits.
+
+  The output projection (the tied table or ``lm_head/kernel``) is FSDP-gathered once, for
+  every chunk of both passes. Plain autodiff here, not ``_tied_lm``: a tied table's gradient
+  is the lookup's scatter-add plus the projection's gradient, accumulated over the chunks by
+  the loss's own VJP, so TWO reductions over the batch's mesh axes instead of ``_tied_lm``'s
+  one (its one dot needs the one-hot ``(batch, length, vocab)`` array, which chunking avoids).
+  """
+  c, batch = config, tokens.shape[0]
+  table = p["embed"]["embedding"]
+  if c.tie_embeddings:
+    table = weights = _core.fsdp_gather(table, ("vocab", "embed"), batch)
+  else:
+    weights = _core.fsdp_gather(p["lm_head"]["kernel"], ("embed", "vocab"), batch)
+  x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
+  rest = {k: v for k, v in p.items() if k not in ("embed", "lm_head")}
+  h, aux = _body(rest, x, c, tokens, valid, segment_ids)
+  loss = _loss.chunked_cross_entropy(h, weights, targets, chunk=c.loss_chunk,
+                                     tied=c.tie_embeddings, dtype=c.dtype)
+  return loss, aux
+
+
+def _check_targets(targets: Array, shape: tuple[int, ...], where: str) -> None:
+  """Raises ``LayerArgumentError`` unless ``targets`` is int ids shaped like the tokens."""
+  problems = []
+  if tuple(getattr(targets, "shape", ())) != tuple(shape):
+    problems.append(f"targets has shape {getattr(targets, 'shape', None)}; expected the "
+                    f"tokens' {tuple(shape)}")
+  if not jnp.issubdtype(getattr(targets, "dtype", float), jnp.integer):
+    problems.append(f"targets has dtype {getattr(targets, 'dtype', type(targets))}; "
+                    "expected integer token ids")
+  if problems:
+    raise LayerArgumentError(format_message(
+        f"{where}: bad targets.", bullets=problems,
+        fix="Pass targets=<int ids of the next tokens>, one per input token (batch, length)."))

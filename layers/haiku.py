@@ -216,8 +216,8 @@ class Transformer(hk.Module):
   Params (default name ``transformer``): ``transformer/embed``, the blocks
   (``transformer/blocks/...`` with a leading ``layers`` dim when ``config.scan_layers``,
   else ``transformer/blocks_0/...``), ``transformer/final_norm`` and, untied,
-  ``transformer/lm_head``. Call: ``(tokens, valid=None, return_aux=False)`` as in
-  ``layers.linen.Transformer``.
+  ``transformer/lm_head``. Call: ``(tokens, valid=None, segment_ids=None, targets=None,
+  return_aux=False)`` as in ``layers.linen.Transformer``.
   """
 
   def __init__(self, config: TransformerConfig, name: str | None = "transformer"):
@@ -225,12 +225,14 @@ class Transformer(hk.Module):
     self.config = config
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
+               segment_ids: Array | None = None, targets: Array | None = None,
+               return_aux: bool = False) -> Any:
     c = self.config
     p = _declare(named_blocks(transformer_params(c)), c.param_dtype)
-    logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
-                                     segment_ids=segment_ids, where="layers.haiku.Transformer")
-    return (logits, aux) if return_aux else logits
+    out, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
+                                  segment_ids=segment_ids, targets=targets,
+                                  where="layers.haiku.Transformer")
+    return (out, aux) if return_aux else out
 
 
 def decode_params(params: Any, config: TransformerConfig) -> dict[str, Any]:

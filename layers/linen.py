@@ -228,23 +228,29 @@ class Transformer(nn.Module):
   when ``config.scan_layers``, else ``blocks_0/...``, ``blocks_1/...``),
   ``final_norm/scale`` and, when ``config.tie_embeddings`` is False, ``lm_head/kernel``.
 
-  Call: ``model.apply(variables, tokens, valid=None, segment_ids=None, return_aux=False)``;
+  Call: ``model.apply(variables, tokens, valid=None, segment_ids=None, targets=None,
+  return_aux=False)``;
   ``valid`` ``(batch, length)`` bool marks real tokens (padding mask; or ``(batch,)`` ints,
   right-padded lengths); ``segment_ids`` ``(batch, length)`` ints separate packed sequences
-  (``config.attention`` picks the attention implementation); ``return_aux`` also returns
-  ``{'load_balance_loss', 'dropped_tokens'}`` summed/averaged over layers.
+  (``config.attention`` picks the attention implementation); ``targets`` ``(batch, length)``
+  int ids return the per-token loss ``(ce, correct)`` instead of the logits (computed in
+  chunks of ``config.loss_chunk`` tokens when it is > 0: no full logits, see
+  ``layers._model.transformer``); ``return_aux`` also returns ``{'load_balance_loss',
+  'dropped_tokens'}`` summed/averaged over layers.
   """
 
   config: TransformerConfig
 
   @nn.compact
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
+               segment_ids: Array | None = None, targets: Array | None = None,
+               return_aux: bool = False) -> Any:
     c = self.config
     p = _declare(self, named_blocks(transformer_params(c)), c.param_dtype)
-    logits, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
-                                     segment_ids=segment_ids, where="layers.linen.Transformer")
-    return (logits, aux) if return_aux else logits
+    out, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
+                                  segment_ids=segment_ids, targets=targets,
+                                  where="layers.linen.Transformer")
+    return (out, aux) if return_aux else out
 
 
 def decode_params(variables: Any, config: TransformerConfig) -> dict[str, Any]:

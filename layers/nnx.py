@@ -205,8 +205,8 @@ class Transformer(Params):
 
   Attributes: ``embed``, ``blocks`` (stacked params with a leading ``layers`` dim when
   ``config.scan_layers``, else an ``nnx.List`` of per-block params), ``final_norm`` and,
-  untied, ``lm_head``. Call: ``model(tokens, valid=None, return_aux=False)`` (see
-  ``layers.linen.Transformer``).
+  untied, ``lm_head``. Call: ``model(tokens, valid=None, segment_ids=None, targets=None,
+  return_aux=False)`` (see ``layers.linen.Transformer``).
   """
 
   def __init__(self, config: TransformerConfig, *, rngs: nnx.Rngs):
@@ -214,10 +214,12 @@ class Transformer(Params):
     self.config = config
 
   def __call__(self, tokens: Array, valid: Array | None = None, *,
-               segment_ids: Array | None = None, return_aux: bool = False) -> Any:
-    logits, aux = _model.transformer(self.values(), tokens, self.config, valid,
-                                     segment_ids=segment_ids, where="layers.nnx.Transformer")
-    return (logits, aux) if return_aux else logits
+               segment_ids: Array | None = None, targets: Array | None = None,
+               return_aux: bool = False) -> Any:
+    out, aux = _model.transformer(self.values(), tokens, self.config, valid,
+                                  segment_ids=segment_ids, targets=targets,
+                                  where="layers.nnx.Transformer")
+    return (out, aux) if return_aux else out
 
 
 def decode_params(model: Any, config: TransformerConfig) -> dict[str, Any]:

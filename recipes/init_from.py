@@ -36,7 +36,7 @@ from partition.internal import format_message
 
 # How the model runs, not what it computes: the run's config decides these.
 RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "pipeline_microbatches",
-              "pipeline_repeats")
+              "pipeline_repeats", "loss_chunk")
 
 
 class InitFromError(PartitionError, ValueError):

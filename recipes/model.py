@@ -2,8 +2,10 @@
 
 ``build(config, rules, mesh)`` returns a :class:`Model` whose params are a plain nested dict of
 ``jax.Array``s created directly in their shardings (``partition.{flax,nnx,haiku}.init_sharded``),
-with a matching dict of logical axes, and ``apply(params, tokens) -> logits``. The training
-step, the optimizer state and the checkpoints only ever see plain dicts.
+with a matching dict of logical axes, and ``apply(params, tokens) -> logits`` (keyword
+arguments go to the Transformer's call: ``apply(params, tokens, targets=targets)`` returns the
+per-token loss ``(ce, correct)``, chunked by ``config.loss_chunk``). The training step, the
+optimizer state and the checkpoints only ever see plain dicts.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Model:
   config: layers.TransformerConfig
   params: Any                       # nested dict of jax.Array, sharded
   param_axes: Any                   # the same structure, logical-axes tuples
-  apply: Callable[[Any, jax.Array], jax.Array]
+  apply: Callable[..., Any]         # (params, tokens, **call_kwargs) -> logits
 
 
 def build(framework: str, config: layers.TransformerConfig, *, seed: int, example: Any,
@@ -50,7 +52,7 @@ def _linen(config, seed, example, rules, mesh, abstract):
   init = partition.flax.abstract_init if abstract else partition.flax.init_sharded
   boxed = init(module, jax.random.key(seed), example, rules=rules, mesh=mesh)["params"]
   return (partition.unbox(boxed), partition.logical_axes(boxed),
-          lambda params, tokens: module.apply({"params": params}, tokens))
+          lambda params, tokens, **kw: module.apply({"params": params}, tokens, **kw))
 
 
 def _nnx(config, seed, example, rules, mesh, abstract):
@@ -74,10 +76,10 @@ def _nnx(config, seed, example, rules, mesh, abstract):
   treedef = jax.tree_util.tree_structure(state)
   _check_same_order(state, params)
 
-  def apply(params, tokens):
+  def apply(params, tokens, **kw):
     merged = nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, jax.tree.leaves(params)),
                        rest)
-    return merged(tokens)
+    return merged(tokens, **kw)
 
   return params, axes, apply
 
@@ -89,13 +91,13 @@ def _haiku(config, seed, example, rules, mesh, abstract):
   import partition.haiku
   from layers import haiku as layers_hk
 
-  transformed = hk.transform(lambda tokens: layers_hk.Transformer(config)(tokens))
+  transformed = hk.transform(lambda tokens, **kw: layers_hk.Transformer(config)(tokens, **kw))
   key = jax.random.key(seed)
   init = partition.haiku.abstract_init if abstract else partition.haiku.init_sharded
   params = init(transformed, key, example, rules=rules, mesh=mesh)
   axes = partition.haiku.eval_axes(transformed, key, example)
   return (_plain(params), _plain(axes),
-          lambda params, tokens: transformed.apply(params, None, tokens))
+          lambda params, tokens, **kw: transformed.apply(params, None, tokens, **kw))
 
 
 def _plain(tree: Any) -> Any:

@@ -249,13 +249,22 @@ def make_optimizer(config: TrainConfig):
 BATCH_AXES = ("batch", "length")
 
 
-def masked_loss(apply, params, batch):
-  """Mean cross-entropy over the scored tokens, and their accuracy (teacher forcing)."""
-  logits = apply(params, batch["inputs"]).astype(jnp.float32)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+def masked_loss(apply, params, batch, *, chunked: bool = False):
+  """Mean cross-entropy over the scored tokens, and their accuracy (teacher forcing).
+
+  ``chunked``: the model computes the per-token loss itself (``apply(params, inputs,
+  targets=...)``, chunked by ``config.model.loss_chunk``), so the full fp32 logits never
+  exist; else from the logits ``apply`` returns. Same values either way.
+  """
+  if chunked:
+    ce, correct = apply(params, batch["inputs"], targets=batch["targets"])
+  else:
+    logits = apply(params, batch["inputs"]).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    correct = logits.argmax(-1) == batch["targets"]
   mask = batch["mask"]
   count = jnp.maximum(mask.sum(), 1.0)
-  correct = (logits.argmax(-1) == batch["targets"]) * mask
+  correct = correct * mask
   # exact match: every scored token of the row right
   exact = ((correct.sum(-1) == mask.sum(-1)) & (mask.sum(-1) > 0)).mean()
   return (ce * mask).sum() / count, {"accuracy": correct.sum() / count, "exact_match": exact}
@@ -329,7 +338,7 @@ def build_run(config: TrainConfig) -> Run:
   spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
   batch_shardings = {k: NamedSharding(mesh, spec) for k in ("inputs", "targets", "mask")}
 
-  loss_fn = functools.partial(masked_loss, model.apply)
+  loss_fn = functools.partial(masked_loss, model.apply, chunked=config.model.loss_chunk > 0)
   grad_fn = partition.value_and_grad(loss_fn, batch_axes=BATCH_AXES, param_axes=model.param_axes,
                                      rules=rules, mesh=mesh, microbatches=config.microbatches,
                                      has_aux=True)
