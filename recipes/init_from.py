@@ -35,8 +35,12 @@ from partition import PartitionError
 from partition.internal import format_message
 
 # How the model runs, not what it computes: the run's config decides these.
+# How the run computes, not what the checkpoint is: the attention kernel and its block, the
+# loss's chunking and MoE token capacity change speed and memory (capacity: which tokens
+# overflow), never the weights' meaning.
 RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "pipeline_microbatches",
-              "pipeline_repeats", "loss_chunk")
+              "pipeline_repeats", "loss_chunk", "attention", "attention_block",
+              "capacity_factor")
 
 
 class InitFromError(PartitionError, ValueError):

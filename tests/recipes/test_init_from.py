@@ -106,6 +106,15 @@ def test_model_comes_from_the_checkpoint():
       config.model, max_len=8), {"max_len"}).max_len == 8  # shrinking max_len is allowed
 
 
+def test_how_the_run_computes_is_the_runs_choice():
+  overrides = ["model.attention=blockwise", "model.attention_block=16", "model.loss_chunk=8"]
+  config = load_config(train.default_config_path(), overrides)
+  model = init_from.resolve_model(DATA / "llama", config.model,
+                                  init_from.explicit_model_fields(overrides))
+  assert (model.attention, model.attention_block, model.loss_chunk) == ("blockwise", 16, 8)
+  assert (model.num_layers, model.embed_dim) == (2, 32)     # the rest from the checkpoint
+
+
 def test_conflicting_overrides_are_errors():
   overrides = ["model.num_layers=4", "model.embed_dim=32", "model.rope_theta=10000.0",
                "model.max_len=128"]
