@@ -58,7 +58,6 @@ from partition._rules.context import axis_rules, current_rules, current_rules_me
 from partition._rules.table import AxisRules, is_axes_leaf
 from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap.api import xmap
-from partition._xmap.program import reduced_dtype
 from partition._xmap.specs import Logical, Mean
 
 _MICRO = "__microbatch__"
@@ -212,7 +211,7 @@ class _Settings:
       result = self._reduced_once(params, batch, rest, split, param_specs, once, rules, mesh)
       if result is not None:
         return result
-    return self._reduced_per_microbatch(params, batch, rest, split, param_specs, rules, mesh)
+    return self._xmapped(params, batch, rest, split, param_specs, rules, mesh)
 
   def _reduced_once(self, params, batch, rest, split, param_specs, once, rules, mesh):
     """The reduce-once schedule (``reduce_once.py``), or ``None`` where the model cannot run
@@ -233,51 +232,12 @@ class _Settings:
         raise (_once_error(e, split.mesh_axes) if "spmd_axis_name" in str(e) else e) from e
       return None
 
-  def _reduced_per_microbatch(self, params, batch, rest, split, param_specs, rules, mesh):
-    """The k micro-batches as a loop whose gradient carry stays in the parameters'
-    shardings, so gradients are reduced over the batch's mesh axes in every iteration: a
-    ``lax.scan`` (no mesh, or Auto mesh axes only), else an xmap loop axis (Explicit axes:
-    xmap runs the model in its Auto region). With k = 1 there is no loop: xmap just places
-    the step."""
-    if split.k > 1 and _scannable(rules, mesh):
-      return self._scanned(params, batch, rest, split, param_specs, rules, mesh)
-    return self._xmapped(params, batch, rest, split, param_specs, rules, mesh)
-
-  def _scanned(self, params, batch, rest, split, param_specs, rules, mesh):
-    """``lax.scan`` over the k micro-batches, value and gradients summed in the carry and
-    divided by k after the loop. The model runs on each micro-batch as written (xmap's loop
-    would run it under a size-1 vmap of the micro-batch axis: batched weight-gradient dots,
-    transposes and size-1 sums in every micro-step)."""
-    place = _placer(rules, mesh)
-    micro = jax.tree.map(split.to_micro, batch, split.dims)
-    keys = self._keys_per_microbatch(rest, split.k)
-    keyed = set(self.rng_positions)
-    loss_and_grad = self._value_and_grad_in_context(rules, mesh)
-
-    def micro_step(j, micro_batch):
-      micro_batch = jax.tree.map(lambda axes, x: place(x, rules and rules.spec(
-          axes, np.shape(x), mesh)), split.axes, micro_batch, is_leaf=is_axes_leaf)
-      args = [keys[i][j] if i in keyed else a for i, a in enumerate(rest)]
-      return loss_and_grad(params, micro_batch, *args)
-
-    def carried(out):  # the gradients in their parameters' shardings
-      value, grads = out
-      return value, _map_param_specs(place, param_specs, grads)
-
-    def body(carry, xs):
-      out = micro_step(*xs)
-      return carried(jax.tree.map(lambda c, x: (c + x).astype(c.dtype), carry, out)), None
-
-    first = jax.tree.map(lambda x: x[0], micro)
-    shapes = jax.eval_shape(micro_step, 0, first)
-    zero = carried(jax.tree.map(lambda s: jnp.zeros(s.shape, reduced_dtype(s.dtype)), shapes))
-    with _abstract_mesh_context(mesh):
-      total, _ = jax.lax.scan(body, zero, (jnp.arange(split.k), micro))
-      value, grads = jax.tree.map(lambda x: x / split.k, total)
-      return value, _map_param_specs(place, param_specs, grads)
-
   def _xmapped(self, params, batch, rest, split, param_specs, rules, mesh):
-    """The micro-batches as an xmap axis on a ``SerialLoop(k)`` (or none with k = 1)."""
+    """The k micro-batches as an xmap axis on a ``SerialLoop(k)``: a loop whose gradient
+    carry stays in the parameters' shardings, so gradients are reduced over the batch's mesh
+    axes in every iteration. The loop covers the whole axis, so xmap runs the model on each
+    micro-batch as written (no size-1 vmap: ``_xmap/program.py``, ``_unit_level``). With
+    k = 1 there is no loop: xmap just places the step."""
     looped = split.k > 1
     micro = jax.tree.map(split.to_micro, batch, split.dims) if looped else batch
     rest = self._keys_per_microbatch(rest, split.k) if looped else rest
@@ -328,32 +288,6 @@ class _Settings:
                 else reduced([...]))
     value_out = (reduced([...]), reduced([...])) if self.has_aux else reduced([...])
     return (value_out, grad_out)
-
-
-def _scannable(rules, mesh) -> bool:
-  """No mesh, or a concrete mesh whose axes are all Auto (Explicit axes need xmap's Auto
-  region around the model)."""
-  if rules is None or mesh is None:
-    return True
-  return isinstance(mesh, jax.sharding.Mesh) and all(
-      t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
-
-
-def _placer(rules, mesh):
-  """``place(x, spec)``: ``x`` constrained to ``spec`` on ``mesh`` (as is without a mesh or
-  where the spec is unknown: left to propagation)."""
-  if rules is None or mesh is None:
-    return lambda x, spec: x
-  return lambda x, spec: x if spec is None else jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, spec))
-
-
-def _map_param_specs(f, param_specs, grads):
-  """``f(leaf, spec)`` over ``grads``, one spec per parameter subtree (boxes included)."""
-  if param_specs is None:
-    return jax.tree.map(lambda g: f(g, None), grads)
-  return jax.tree.map(lambda spec, sub: jax.tree.map(lambda g: f(g, spec), sub),
-                      param_specs, grads, is_leaf=_is_spec)
 
 
 def _loop_resources(k: int, rules, sharded: bool):
