@@ -3,6 +3,7 @@
 spec entries. Not part of the user-facing API: no deprecation period when they change.
 """
 
+from partition._base.deprecations import deprecated_getattr as deprecated_getattr
 from partition._base.errors import did_you_mean as did_you_mean
 from partition._base.errors import format_message as format_message
 from partition._base.extras import needs_extra as needs_extra

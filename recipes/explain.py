@@ -31,6 +31,7 @@ if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from partition import PartitionError  # noqa: E402
+from partition.internal import deprecated_getattr  # noqa: E402
 from recipes import report  # noqa: E402
 
 REPLICATED_WARN_BYTES = 1 << 20  # a replicated parameter above 1 MiB is worth a warning
@@ -124,20 +125,6 @@ class Explanation:
                 "reason": self.attention.reason}}
 
 
-# Old names kept for one release: ``recipes.explain.<old>`` still works and warns.
-_DEPRECATED = {"Plan": "Explanation"}
-
-
-def __getattr__(name: str):
-  if name in _DEPRECATED:
-    import warnings
-    new = _DEPRECATED[name]
-    warnings.warn(f"recipes.explain.{name} is deprecated and will be removed in the next "
-                  f"release; use recipes.explain.{new} (the same class, renamed: 'plan' "
-                  "names the planner, python -m recipes.plan).", DeprecationWarning,
-                  stacklevel=2)
-    return globals()[new]
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _spec_list(spec) -> list:
@@ -231,8 +218,8 @@ def compile_memory(run, state) -> Memory:
   return memory_of(compile_train_step(run, state))
 
 
-def plan(config, *, compile: bool = True,
-         replicated_warn_bytes: int = REPLICATED_WARN_BYTES) -> Explanation:
+def explain_config(config, *, compile: bool = True,
+                   replicated_warn_bytes: int = REPLICATED_WARN_BYTES) -> Explanation:
   """The sharding report of ``config`` on the devices JAX has now.
 
   Args:
@@ -245,10 +232,10 @@ def plan(config, *, compile: bool = True,
 
   Example:
     >>> from recipes.config import load_config
-    >>> from recipes.explain import plan
+    >>> from recipes.explain import explain_config
     >>> cfg = load_config(overrides=['model.num_layers=1', 'preset=data_parallel',
     ...                              'mesh={data: -1}'])
-    >>> p = plan(cfg, compile=False)
+    >>> p = explain_config(cfg, compile=False)
     >>> p.totals()['num_params'], p.params.rows[0].path, p.params.rows[0].logical_axes
     (38080, 'blocks_0/attn/out/kernel', ('heads', 'head_dim', 'embed'))
     >>> p.params.bytes_per_device == p.params.total_bytes  # only 'data': params replicated
@@ -465,7 +452,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(args.config or train.default_config_path(), args.overrides)
     check_mesh_size(config, args.devices)
     setup_devices(config, args.devices)
-    p = plan(config, compile=not args.no_compile, replicated_warn_bytes=args.warn_replicated)
+    p = explain_config(config, compile=not args.no_compile,
+                       replicated_warn_bytes=args.warn_replicated)
   except (TrainConfigError, PartitionError) as e:  # config, rules, mesh: say what to fix
     print(f"error: {e}", file=sys.stderr)
     return 2
@@ -478,3 +466,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
   sys.exit(main())
+
+
+# Old names kept for one release: ``recipes.explain.<old>`` still works and warns.
+__getattr__ = deprecated_getattr("recipes.explain", {
+    "Plan": ("recipes.explain.Explanation (the same class, renamed: 'plan' names the planner, "
+             "python -m recipes.plan)", lambda: Explanation),
+    "plan": ("recipes.explain.explain_config", lambda: explain_config),
+})

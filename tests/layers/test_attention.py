@@ -470,10 +470,10 @@ def test_explain_says_which_attention_runs_and_why():
   from recipes import explain
   from recipes.config import load_config
   cfg = load_config(overrides=["model.num_layers=1", "model.attention=blockwise"])
-  choice = explain.plan(cfg, compile=False).to_dict()["attention"]
+  choice = explain.explain_config(cfg, compile=False).to_dict()["attention"]
   assert choice == {"implementation": "blockwise", "reason": "requested"}
   cfg = load_config(overrides=["model.num_layers=1", "seq_len=16"])
-  p = explain.plan(cfg, compile=False)
+  p = explain.explain_config(cfg, compile=False)
   assert p.to_dict()["attention"]["implementation"] == "xla"
   assert "length 16 < 2048; no fused kernel on cpu" in p.to_dict()["attention"]["reason"]
   out = __import__("io").StringIO()

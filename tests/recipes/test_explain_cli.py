@@ -47,7 +47,7 @@ def explain_path(path) -> str:
 def explained():
   """The explanation (compiled) and a real run of the same tiny config on 8 devices."""
   config = _config()
-  return explain.plan(config), train.build_run(config)
+  return explain.explain_config(config), train.build_run(config)
 
 
 @pytest.mark.slow
@@ -72,7 +72,7 @@ def test_per_device_bytes_equal_the_real_shards(explained):
 @pytest.mark.slow
 def test_other_frameworks_per_device_bytes(framework):
   config = _config(f"framework={framework}")
-  found, run = explain.plan(config, compile=False), train.build_run(config)
+  found, run = explain.explain_config(config, compile=False), train.build_run(config)
   real = _by_path(run.state["params"])
   assert sorted(r.path for r in found.params.rows) == sorted(real)
   for row in found.params.rows:
@@ -136,24 +136,27 @@ def test_the_report_class_is_explanation_and_plan_is_a_deprecated_alias():
   assert old is explain.Explanation
   assert len(caught) == 1
   assert str(caught[0].message) == (
-      "recipes.explain.Plan is deprecated and will be removed in the next release; use "
+      "recipes.explain.Plan is deprecated and will be removed in the next release: use "
       "recipes.explain.Explanation (the same class, renamed: 'plan' names the planner, "
       "python -m recipes.plan).")
   assert caught[0].filename == __file__   # stacklevel: the warning points at the caller
   with pytest.raises(AttributeError, match="has no attribute 'Plann'"):
     explain.Plann  # noqa: B018
+  with pytest.warns(DeprecationWarning, match=r"recipes\.explain\.plan is deprecated .*use "
+                    r"recipes\.explain\.explain_config\.$"):
+    assert explain.plan is explain.explain_config
 
 
 def test_large_replicated_params_warn():
-  found = explain.plan(_config("preset=data_parallel", "mesh={data: 8}"), compile=False,
-                       replicated_warn_bytes=1024)
+  found = explain.explain_config(_config("preset=data_parallel", "mesh={data: 8}"),
+                                compile=False, replicated_warn_bytes=1024)
   big = sorted(r.path for r in found.params.rows if r.bytes_total >= 1024)
   assert big and all(r.replicated for r in found.params.rows)
   assert len(found.warnings) == len(big)
   for path, warning in zip(big, found.warnings):
     assert warning.startswith(f"{path} ") and "fully replicated on 8 devices" in warning
     assert "give its logical axes" in warning
-  assert explain.plan(_config(), compile=False, replicated_warn_bytes=1024).warnings == ()
+  assert explain.explain_config(_config(), compile=False, replicated_warn_bytes=1024).warnings == ()
 
 
 def test_devices_mesh_must_use_all_devices():

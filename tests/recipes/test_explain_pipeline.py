@@ -4,13 +4,13 @@ import io
 
 import partition
 from recipes.config import load_config
-from recipes.explain import plan, render
+from recipes.explain import explain_config, render
 
 
 def _plan(*overrides):
   config = load_config(overrides=["preset=pipeline_parallel", "mesh={data: 2, stage: 4}",
                                    "model.scan_layers=true", *overrides])
-  return plan(config, compile=False)
+  return explain_config(config, compile=False)
 
 
 def test_pipeline_stage_assignment_and_bubble():
@@ -40,4 +40,4 @@ def test_pipeline_microbatches_and_repeats_from_the_model_config():
 
 def test_no_pipeline_without_a_stage_axis():
   config = load_config(overrides=["model.num_layers=2"])
-  assert plan(config, compile=False).pipeline is None
+  assert explain_config(config, compile=False).pipeline is None
