@@ -106,6 +106,8 @@ SLOW_FILES = frozenset({
   "layers/nnx.py",
 })
 _ROOT = Path(__file__).parent
+# The tests' shared helpers (tests/mesh_testlib.py: ``make_mesh``) import from every test folder.
+sys.path.insert(0, str(_ROOT / "tests"))
 
 
 # Every test in this folder runs its work in a process on the real backend (a GPU or TPU) and

@@ -5,8 +5,9 @@ import warnings
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition._params.audit import WARN_BYTES, audit_placement
@@ -18,7 +19,7 @@ def sds(*shape):
 
 @pytest.fixture
 def mesh():
-  return jax.make_mesh((4, 2), ("fsdp", "tensor"))
+  return make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Explicit)
 
 
 RULES = partition.AxisRules([("embed", "fsdp"), ("mlp", "tensor"), ("kv", None)])
@@ -107,7 +108,7 @@ def test_unused_path_pattern_is_an_error_without_strict(mesh):
 
 
 def test_single_device_mesh_never_warns():
-  mesh = jax.make_mesh((1,), ("fsdp",), devices=jax.devices()[:1])
+  mesh = make_mesh((1,), ("fsdp",), AxisType.Explicit, devices=jax.devices()[:1])
   assert run({"w": sds(512, 512)}, {"w": None}, mesh, strict=False) == []
 
 

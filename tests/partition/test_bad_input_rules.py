@@ -20,7 +20,7 @@ import pytest
 import yaml
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules, MeshError, ResourceError, RulesConfigError, RulesError, SerialLoop
@@ -290,7 +290,7 @@ def test_every_shape_problem_in_one_message_and_numpy_ints():
   with pytest.raises(RulesTypeError, match=r"(?s)logical_axes must be a tuple of names, got "
                                            r"the str 'batch'.*shape\[0\] is float.*shape\[1\]"):
     RULES.spec("batch", (8.5, -1))
-  mesh = mesh_of((2, 4), ("data", "fsdp"))
+  mesh = make_mesh((2, 4), ("data", "fsdp"))
   assert RULES.spec(("batch", "embed"), (np.int64(16), np.int32(8)), mesh) == RULES.spec(
       ("batch", "embed"), (16, 8), mesh) == P(("data", "fsdp"), None)
 
@@ -310,7 +310,7 @@ def test_mesh_of_wrong_type(call):
 
 
 def test_partition_spec_leaves_are_checked():
-  mesh = mesh_of((2, 4), ("data", "fsdp"))
+  mesh = make_mesh((2, 4), ("data", "fsdp"))
   with pytest.raises(RulesError, match=r"mesh axis 'data' is used by entries 0 and 1"):
     RULES.spec(P("data", "data"))
   with pytest.raises(RulesError, match=r"entry 0: 'tensr' is not a mesh axis"):
@@ -370,9 +370,8 @@ def test_tree_errors_name_the_differing_keys():
 
 
 def test_constrain_rejects_a_rules_mesh_on_other_devices():
-  small = jax.make_mesh((4,), ("data",), devices=jax.devices()[4:],
-                        axis_types=(AxisType.Auto,))
-  full = mesh_of((8,), ("data",))
+  small = make_mesh((4,), ("data",), AxisType.Auto, devices=jax.devices()[4:])
+  full = make_mesh((8,), ("data",))
   rules = AxisRules([("batch", "data")])
   f = jax.jit(lambda x: partition.constrain(x, ("batch", None)))
   with jax.set_mesh(full), partition.axis_rules(rules, small):
@@ -382,7 +381,7 @@ def test_constrain_rejects_a_rules_mesh_on_other_devices():
                                           r"jax.set_mesh mesh: mesh\(data=8.*Use one mesh"):
         call()
   # Same devices, another shape: allowed, and placed as asked.
-  with jax.set_mesh(full), partition.axis_rules(rules, mesh_of((4, 2), ("data", "x"))):
+  with jax.set_mesh(full), partition.axis_rules(rules, make_mesh((4, 2), ("data", "x"))):
     assert f(jnp.ones((8, 2))).sharding.spec == P("data")
 
 
@@ -549,7 +548,7 @@ def test_special_files_are_refused(tmp_path):
      r"Cannot read rules file 'nope.yaml': No such file"),
 ])
 def test_constrain_bad_input(x, axes, kw, cls, match):
-  mesh = mesh_of((4, 2), ("data", "model"))
+  mesh = make_mesh((4, 2), ("data", "model"))
   with partition.axis_rules(AxisRules([("batch", "data")]), mesh):
     with pytest.raises(cls, match=match):
       partition.constrain(x, axes, **kw)

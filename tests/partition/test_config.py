@@ -7,7 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 import yaml
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules, RulesConfigError, SerialLoop
@@ -117,7 +119,7 @@ def _preset_mesh(rules):
   """A mesh over the mesh axes a preset names, in order: (8,), (2, 4) or (2, 2, 2)."""
   names = list(dict.fromkeys(a for _, v in rules.pairs for a in v or () if isinstance(a, str)))
   shape = {1: (8,), 2: (2, 4), 3: (2, 2, 2)}[len(names)]
-  return jax.make_mesh(shape, tuple(names))
+  return make_mesh(shape, tuple(names), AxisType.Explicit)
 
 
 # Every logical name of the layers/ vocabulary, with dims every preset's mesh divides.
@@ -139,7 +141,7 @@ def test_presets_load_and_resolve_strictly(path):
 
 def test_preset_placements():
   load = lambda n: AxisRules.from_file(ROOT / "recipes" / "presets" / f"{n}.yaml")
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
   assert load("data_parallel").spec(("batch", "embed"), (8, 4), mesh) == P("data", None)
   fsdp = load("fsdp")
   assert fsdp.spec(("embed", "mlp"), (32, 64), mesh) == P("fsdp", None)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules
@@ -38,7 +38,7 @@ def same(spec, expected):
 
 @pytest.mark.parametrize("shape, names", MESHES)
 def test_auto_mesh_uses_with_sharding_constraint(shape, names):
-  mesh = mesh_of(shape, names, AxisType.Auto)
+  mesh = make_mesh(shape, names, AxisType.Auto)
   x, f = jnp.arange(64.0).reshape(8, 8), make_f()
   with partition.axis_rules(rules_for(names), mesh):
     assert "sharding_constraint" in str(jax.make_jaxpr(f)(x))
@@ -50,7 +50,7 @@ def test_auto_mesh_uses_with_sharding_constraint(shape, names):
 
 @pytest.mark.parametrize("shape, names", MESHES)
 def test_explicit_mesh_uses_reshard(shape, names):
-  mesh = mesh_of(shape, names, AxisType.Explicit)
+  mesh = make_mesh(shape, names, AxisType.Explicit)
   x, f = jnp.arange(64.0).reshape(8, 8), make_f()
   with jax.set_mesh(mesh), partition.axis_rules(rules_for(names)):
     jaxpr = str(jax.make_jaxpr(f)(x))
@@ -62,8 +62,7 @@ def test_explicit_mesh_uses_reshard(shape, names):
 
 
 def test_mixed_mesh_splits_the_spec():
-  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,
-                                                                AxisType.Auto))
+  mesh = make_mesh((4, 2), ("data", "tensor"), (AxisType.Explicit, AxisType.Auto))
   rules = AxisRules([("batch", "data"), ("embed", "tensor")])
   x, f = jnp.ones((8, 4)), make_f()
   with jax.set_mesh(mesh), partition.axis_rules(rules):
@@ -73,7 +72,7 @@ def test_mixed_mesh_splits_the_spec():
 
 
 def test_eager_constrain_places_the_array():
-  mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   y = partition.constrain(jnp.ones((8, 4)), ("batch", "embed"),
                           rules=[("batch", "data"), ("embed", "tensor")], mesh=mesh)
   assert y.sharding.spec == P("data", "tensor")
@@ -90,7 +89,7 @@ def test_no_mesh_is_a_no_op():
 
 @pytest.mark.parametrize("kind", [AxisType.Auto, AxisType.Explicit])
 def test_mesh_without_rules_raises(kind):
-  mesh = mesh_of((8,), ("data",), kind)
+  mesh = make_mesh((8,), ("data",), kind)
   x = jnp.ones((8,))
   with pytest.raises(partition.NoRulesError, match=r"(?s)found a mesh but no axis rules.*"
                                                    r"partition\.axis_rules\(rules\)"):
@@ -101,14 +100,14 @@ def test_mesh_without_rules_raises(kind):
 
 
 def test_explicit_arguments_win_over_context():
-  mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   g = lambda x: partition.constrain(x, ("batch", "embed"), rules=[("embed", "data")])
   with partition.axis_rules([("batch", "data")], mesh):
     assert jax.jit(g)(jnp.ones((8, 8))).sharding.spec == P(None, "data")
 
 
 def test_shape_aware_fallback_and_errors():
-  mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   rules = AxisRules([("batch", "data"), ("batch", "tensor")])
   with partition.axis_rules(rules, mesh):
     assert jax.jit(lambda x: partition.constrain(x, ("batch",)))(jnp.ones(6)).sharding.spec \
@@ -121,7 +120,7 @@ def test_shape_aware_fallback_and_errors():
 
 
 def test_pytree_constrain():
-  mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   tree = {"h": jnp.ones((8, 4)), "mask": jnp.ones(8), "z": jnp.ones(3)}
   axes = {"h": ("batch", "embed"), "mask": ("batch",), "z": None}
   with partition.axis_rules([("batch", "data"), ("embed", "tensor")], mesh):
@@ -132,7 +131,7 @@ def test_pytree_constrain():
 
 
 def test_gradients_flow_through_constrain():
-  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  mesh = make_mesh((8,), ("data",), AxisType.Auto)
   loss = lambda x: jnp.sum(jnp.sin(partition.constrain(x, ("batch", None))) ** 2)
   x = jnp.arange(16.0).reshape(8, 2) / 10
   with partition.axis_rules([("batch", "data")], mesh):
@@ -144,7 +143,7 @@ def test_gradients_flow_through_constrain():
 
 
 def test_context_nests_and_restores():
-  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  mesh = make_mesh((8,), ("data",), AxisType.Auto)
   assert partition.current_rules() is None
   with partition.axis_rules([("a", "x")], mesh) as outer:
     assert partition.current_rules() is outer and partition.current_rules_mesh() is mesh
@@ -192,8 +191,8 @@ def test_bad_mesh_argument():
 
 def test_auto_rules_mesh_under_explicit_set_mesh_is_a_mesh_error():
   """JAX would raise a bare AssertionError ("acts as an assert when all axes ... Explicit")."""
-  auto = mesh_of((4, 2), ("a", "b"), AxisType.Auto)
-  explicit = mesh_of((4, 2), ("a", "b"), AxisType.Explicit)
+  auto = make_mesh((4, 2), ("a", "b"), AxisType.Auto)
+  explicit = make_mesh((4, 2), ("a", "b"), AxisType.Explicit)
   for call in (lambda x: partition.constrain(x, ("batch", "embed")),
                jax.jit(lambda x: partition.constrain(x, ("batch", "embed")))):
     with jax.set_mesh(explicit), partition.axis_rules(rules_for(("a", "b")), auto):
@@ -208,7 +207,7 @@ def test_auto_rules_mesh_under_explicit_set_mesh_is_a_mesh_error():
 
 def test_explicit_rules_mesh_traced_outside_set_mesh_is_a_mesh_error():
   """JAX would fail at dispatch with "Length of device assignment 1"; eagerly it works."""
-  explicit = mesh_of((4, 2), ("a", "b"), AxisType.Explicit)
+  explicit = make_mesh((4, 2), ("a", "b"), AxisType.Explicit)
   with partition.axis_rules(rules_for(("a", "b")), explicit):
     eager = partition.constrain(jnp.ones((8, 4)), ("batch", "embed"))
     assert eager.sharding.spec == P("a", "b")

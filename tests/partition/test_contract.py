@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 import partition.flax
@@ -22,13 +22,9 @@ import partition.nnx
 
 RULES = partition.AxisRules([("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")])
 EMBED, MLP_DIM = 8, 16
+MESHES = {(4, 2): ("fsdp", "tensor"), (2, 2, 2): ("data", "fsdp", "tensor")}
 AXES = {"layer1": {"kernel": ("embed", "mlp"), "bias": ("mlp",)},
         "layer2": {"kernel": ("mlp", "embed"), "bias": ("embed",)}}
-
-
-def _mesh(shape=(4, 2), axis_type=AxisType.Auto):
-  names = ("fsdp", "tensor")[: len(shape)] if len(shape) < 3 else ("data", "fsdp", "tensor")
-  return mesh_of(shape, names, axis_type)
 
 
 # -- linen: nn.with_logical_partitioning + nn.with_logical_constraint -------------------------
@@ -105,7 +101,7 @@ def init_all(mesh, x):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.slow
 def test_same_partition_spec_tree_in_all_three(shape, axis_type):
-  mesh = _mesh(shape, axis_type)
+  mesh = make_mesh(shape, MESHES[shape], axis_type)
   x = jnp.ones((8, EMBED))
   params, _ = init_all(mesh, x)
   specs = {k: jax.tree.map(lambda a: a.sharding.spec, v) for k, v in params.items()}
@@ -126,7 +122,7 @@ def test_same_partition_spec_tree_in_all_three(shape, axis_type):
 
 @pytest.mark.slow
 def test_equal_weights_same_outputs_on_mesh_as_on_one_device():
-  mesh = _mesh((4, 2))
+  mesh = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
   x = jax.random.normal(jax.random.key(1), (8, EMBED))
   params, (linen, model, haiku) = init_all(mesh, x)
   w = {k: {n: np.asarray(a) for n, a in v.items()} for k, v in params["linen"].items()}
@@ -185,14 +181,14 @@ def _compiled_init(framework, mesh, x):
 def _replicated_init_memory():
   """The reference of every framework: linen's init with replicated outputs on the same mesh
   and input (one program; compiled once, not once per framework)."""
-  replicated = jax.sharding.NamedSharding(_mesh((4, 2)), P())
+  replicated = jax.sharding.NamedSharding(make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto), P())
   return jax.jit(LinenMLP(BIG_E, BIG_M).init, out_shardings=replicated).lower(
       jax.random.key(0), jnp.ones((8, BIG_E))).compile().memory_analysis()
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
 def test_compiled_init_has_no_full_size_intermediate(framework):
-  mesh = _mesh((4, 2))
+  mesh = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
   x = jnp.ones((8, BIG_E))
   ab, compiled = _compiled_init(framework, mesh, x)
   mem = compiled.memory_analysis()
@@ -230,7 +226,7 @@ def _init_big(framework, mesh, strict):
 @pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
 def test_never_silently_replicated_in_all_three(framework):
   # 'mlp' has no rule: both 128x256 kernels (128 KiB each) end up replicated on 8 devices.
-  mesh = _mesh((2, 2, 2))
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   with pytest.warns(partition.PartitionWarning) as caught:
     _init_big(framework, mesh, strict=False)
   # one warning for the one cause, naming the name and the fix (three arrays share it)

@@ -5,7 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules
@@ -28,7 +30,7 @@ def shapes(dtype=jnp.float32):
 
 @pytest.fixture
 def mesh():
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  return make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
 
 
 def test_rows_match_tree_specs_and_real_shards(mesh):
@@ -79,7 +81,7 @@ def test_arrays_context_and_no_mesh():
   report = partition.explain(params, axes, [("batch", "data")])
   assert report.mesh == "no mesh" and report.replicated == ()
   assert report.rows[1].bytes_per_device == report.rows[1].bytes_total == 128
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   with partition.axis_rules([("batch", "data")], mesh):
     report = partition.explain(params, axes)
   assert report.rows[1].spec == P("data", None) and report.rows[1].bytes_per_device == 16
@@ -96,7 +98,7 @@ def test_errors():
 
 
 def test_short_axes_prefix_and_non_array_leaves():
-  mesh = jax.make_mesh((2, 4), ("x", "y"))
+  mesh = make_mesh((2, 4), ("x", "y"), AxisType.Explicit)
   report = partition.explain(
       {"w": jnp.ones((4, 8)), "n": 3, "s": "name", "k": jax.random.key(0)},
       {"w": ("a",), "n": None, "s": None, "k": None}, [("a", "x")], mesh)

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 import partition.flax
@@ -17,6 +17,8 @@ LOGICAL = nn.with_logical_partitioning
 INIT = nn.initializers.lecun_normal()
 MESHES = {(8,): ("fsdp",), (4, 2): ("fsdp", "tensor"), (2, 2, 2): ("data", "fsdp", "tensor")}
 RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"), ("mlp", "fsdp")]
+MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Explicit)
+AUTO_MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
 
 
 class Block(nn.Module):
@@ -30,15 +32,10 @@ class Block(nn.Module):
     return nn.Dense(8, kernel_init=LOGICAL(INIT, ("mlp", "embed")))(h)
 
 
-def _mesh(shape, axis_type=AxisType.Explicit):
-  names = MESHES[shape]
-  return mesh_of(shape, names, axis_type)
-
-
 @pytest.mark.parametrize("shape", list(MESHES))
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 def test_init_sharded_matches_flax_logical_to_mesh_sharding(shape, axis_type):
-  mesh = _mesh(shape, axis_type)
+  mesh = make_mesh(shape, MESHES[shape], axis_type)
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
                                           mesh=mesh)
@@ -61,7 +58,7 @@ def test_init_sharded_matches_flax_logical_to_mesh_sharding(shape, axis_type):
 
 
 def test_boxes_are_kept_and_apply_works():
-  mesh = _mesh((4, 2), AxisType.Auto)  # Explicit axes would need out_sharding= on matmuls
+  mesh = AUTO_MESH  # Explicit axes would need out_sharding= on matmuls
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
                                           mesh=mesh)
@@ -75,7 +72,7 @@ def test_boxes_are_kept_and_apply_works():
 
 
 def test_abstract_init_and_explain():
-  mesh = _mesh((4, 2))
+  mesh = MESH
   x = jnp.ones((8, 8))
   abstract = partition.flax.abstract_init(Block(), jax.random.key(0), x, rules=RULES,
                                           mesh=mesh)
@@ -96,7 +93,7 @@ def test_path_table_annotates_stock_modules():
     def __call__(self, x):
       return nn.Dense(4)(nn.relu(nn.Dense(16)(x)))
 
-  mesh = _mesh((4, 2))
+  mesh = MESH
   table = partition.PathRules([(r"Dense_0/kernel$", ("embed", "mlp")),
                                (r"Dense_1/kernel$", ("mlp", "embed"))])
   variables = partition.flax.init_sharded(Stock(), jax.random.key(0), jnp.ones((8, 8)),
@@ -117,7 +114,7 @@ def test_with_axes_turns_stock_dense_into_annotated_dense():
     def __call__(self, x):
       return Dense(16)(x)
 
-  mesh = _mesh((4, 2), AxisType.Auto)
+  mesh = AUTO_MESH
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(M(), jax.random.key(0), x, rules=RULES, mesh=mesh)
   assert list(variables["params"]) == ["Dense_0"]  # auto-naming unchanged
@@ -182,7 +179,7 @@ def test_with_axes_on_a_sub_module_name_is_an_error_naming_it():
 
 
 def test_init_sharded_argument_errors():
-  mesh = _mesh((4, 2), AxisType.Auto)
+  mesh = AUTO_MESH
   x = jnp.ones((8, 8))
   cases = [
       ((Block, jax.random.key(0)), r"got the class .*Block. Pass an instance"),
@@ -209,7 +206,7 @@ def test_flax_axis_rules_is_a_deprecated_alias_of_partition_axis_rules():
 
 def test_flax_own_constraint_takes_effect_under_axis_rules():
   context = partition.axis_rules
-  mesh = _mesh((4, 2), AxisType.Auto)
+  mesh = AUTO_MESH
   x = jnp.ones((8, 8))
   variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES,
                                           mesh=mesh)
@@ -225,13 +222,13 @@ def test_flax_own_constraint_takes_effect_under_axis_rules():
 def test_errors_without_rules_or_mesh():
   with pytest.raises(ValueError, match=r"Pass rules=partition.AxisRules"):
     partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((2, 8)),
-                                mesh=_mesh((8,)))
+                                mesh=make_mesh((8,), ("fsdp",), AxisType.Explicit))
   with pytest.raises(ValueError, match=r"needs a concrete device mesh.*found no mesh"):
     partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((2, 8)), rules=RULES)
 
 
 def test_rules_and_mesh_from_context():
-  mesh = _mesh((4, 2))
+  mesh = MESH
   with partition.axis_rules(RULES, mesh):
     variables = partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((8, 8)))
   assert variables["params"]["Dense_0"]["kernel"].value.sharding.spec == P("fsdp", "tensor")
@@ -240,7 +237,7 @@ def test_rules_and_mesh_from_context():
 def test_installed_flax_table_places_like_axis_rules():
   # The table partition.axis_rules installs for flax keeps size-1 axes (flax's "used" check
   # must see them) and maps rules whose axes the mesh lacks to None (never to the name).
-  mesh = jax.make_mesh((2, 1, 4), ("x", "one", "x2"))
+  mesh = make_mesh((2, 1, 4), ("x", "one", "x2"), AxisType.Explicit)
   rules = partition.AxisRules([("a", ("x", "one")), ("b", "one"), ("b", "x2"),
                                ("mlp", "tensor"), ("c", "x2")])
   with partition.axis_rules(rules, mesh):

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import AxisType, NamedSharding
+from mesh_testlib import make_mesh
 
 import partition
 import partition.flax
@@ -25,10 +26,7 @@ RULES = [("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"),
          ("heads", "tensor"), ("kv", None), ("vocab", "tensor"), ("length", None)]
 LOGICAL = nn.with_logical_partitioning
 INIT = nn.initializers.normal(0.02)
-
-
-def mesh_of(axis_type=AxisType.Auto):
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
+MESH = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
 
 
 class Lm1bBlock(nn.Module):
@@ -102,7 +100,7 @@ def single_device_output(model, variables, x):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.slow
 def test_lm1b_prefix_axes_match_flax_and_outputs_match_one_device(axis_type):
-  mesh = mesh_of(axis_type)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
   model, tokens = Lm1bBlock(), jnp.arange(16).reshape(4, 4) % 32
   abstract = jax.eval_shape(model.init, jax.random.key(0), tokens)
   variables = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=RULES,
@@ -121,7 +119,7 @@ def test_lm1b_prefix_axes_match_flax_and_outputs_match_one_device(axis_type):
 
 
 def test_t5x_param_with_axes_are_read_and_match_flax():
-  mesh = mesh_of()
+  mesh = MESH
   model, x = T5Mlp(), jnp.ones((4, 16))
   abstract = jax.eval_shape(model.init, jax.random.key(0), x)
   variables = partition.flax.init_sharded(model, jax.random.key(0), x, rules=RULES, mesh=mesh)
@@ -139,7 +137,7 @@ def test_t5x_param_with_axes_are_read_and_match_flax():
 
 
 def test_with_partitioning_mesh_axes_pass_through_as_in_flax():
-  mesh = mesh_of()
+  mesh = MESH
   model, x = GuideMlp(), jnp.ones((4, 16))
   abstract = jax.eval_shape(model.init, jax.random.key(0), x)
   with warnings.catch_warnings():
@@ -157,7 +155,7 @@ def test_unannotated_model_warns_once_with_bytes_and_strict_raises():
     def __call__(self, x):
       return nn.Dense(256)(nn.Dense(128)(x))
 
-  mesh, x = mesh_of(), jnp.ones((4, 128))
+  mesh, x = MESH, jnp.ones((4, 128))
   with pytest.warns(partition.ReplicatedWarning) as caught:
     partition.flax.init_sharded(Plain(), jax.random.key(0), x, rules=RULES, mesh=mesh)
   assert len(caught) == 1
@@ -182,7 +180,7 @@ def test_strict_lists_typos_and_indivisible_dims_in_one_error():
 
   with pytest.raises(partition.PlacementError) as e:
     partition.flax.init_sharded(Typo(), jax.random.key(0), jnp.ones((4, 16)), rules=RULES,
-                                mesh=mesh_of(), strict=True)
+                                mesh=MESH, strict=True)
   text = str(e.value)
   assert "params/Dense_0/kernel dim 0: logical axis 'embd' has no rule (did you mean " \
          "'embed'?)" in text
@@ -192,7 +190,7 @@ def test_strict_lists_typos_and_indivisible_dims_in_one_error():
 
 @pytest.mark.slow
 def test_path_table_override_replaces_declared_axes():
-  mesh, model = mesh_of(), Lm1bBlock()
+  mesh, model = MESH, Lm1bBlock()
   tokens = jnp.arange(16).reshape(4, 4) % 32
   table = partition.PathRules([(r"Dense_0/kernel$", ("mlp", "embed"))], override=True)
   variables = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=RULES,
@@ -206,7 +204,7 @@ def test_path_table_override_replaces_declared_axes():
 def test_t5x_full_path_table_under_strict_counts_declared_parameters_as_matched():
   """A pattern that matches a parameter has matched it, even when the parameter's own
   params_axes win (issue 19: strict=True listed every such pattern as unused)."""
-  mesh, model, x = mesh_of(), T5Mlp(), jnp.ones((4, 16))
+  mesh, model, x = MESH, T5Mlp(), jnp.ones((4, 16))
   table = partition.PathRules([(r"^params/scale$", ("embed",)),
                                (r"^params/wi/kernel$", ("embed", "mlp")),
                                (r"^params/wo/kernel$", ("mlp", "embed"))])

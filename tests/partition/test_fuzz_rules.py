@@ -17,13 +17,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules, PartitionError, SerialLoop
 
 SETTINGS = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-MESH = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(AxisType.Auto,) * 2)
+MESH = make_mesh((2, 4), ("data", "fsdp"), AxisType.Auto)
 BASE = AxisRules([("batch", ("data", "fsdp")), ("batch", "data"), ("embed", "fsdp"),
                   ("kv", None), ("micro", ("data", SerialLoop(2)))])
 

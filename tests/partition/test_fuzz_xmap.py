@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import partition
 from partition import xmap
@@ -24,7 +26,7 @@ RESOURCES = st.one_of(st.none(), JUNK, st.dictionaries(NAMES, st.one_of(
                                                              st.integers(1, 4))), max_size=2))
 SIZES = st.one_of(st.none(), JUNK, st.dictionaries(NAMES, st.integers(-1, 9), max_size=2))
 
-MESH = jax.make_mesh((4, 2), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+MESH = make_mesh((4, 2), ("x", "y"), AxisType.Auto)
 X = jnp.arange(24.0).reshape(4, 6)
 
 

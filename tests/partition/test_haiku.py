@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 import partition.haiku
@@ -14,10 +15,9 @@ import partition.haiku
 RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")]
 TABLE = partition.PathRules([(r"linear_0/w$", ("embed", "mlp")), (r"linear_0/b$", ("mlp",)),
                              (r"linear_1/w$", ("mlp", "embed"))])
-
-
-def _mesh(axis_type=AxisType.Explicit):
-  return jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(axis_type,) * 2)
+MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Explicit)
+AUTO_MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
+MESH_3D = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
 
 
 def stock(x):
@@ -35,7 +35,7 @@ class Mine(hk.Module):
 def test_path_table_init_sharded_specs_and_values():
   f = hk.transform(stock)
   x = jnp.ones((4, 8))
-  mesh = _mesh()
+  mesh = MESH
   params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=mesh,
                                         param_axes=TABLE)
   specs = jax.tree.map(lambda a: a.sharding.spec, params)
@@ -50,7 +50,7 @@ def test_path_table_init_sharded_specs_and_values():
 
 def test_path_table_as_pairs():
   params = partition.haiku.init_sharded(
-      hk.transform(stock), jax.random.key(0), jnp.ones((4, 8)), rules=RULES, mesh=_mesh(),
+      hk.transform(stock), jax.random.key(0), jnp.ones((4, 8)), rules=RULES, mesh=MESH,
       param_axes=[(r"/w$", ("embed", "mlp"))])
   assert params["mlp/~/linear_1"]["w"].sharding.spec == P("fsdp", "tensor")
 
@@ -60,7 +60,7 @@ def test_get_parameter_records_axes_and_constrains_at_apply():
   x = jnp.ones((4, 8))
   assert partition.haiku.eval_axes(f, jax.random.key(0), x) == {"mine": {"w": ("embed",
                                                                               "mlp")}}
-  mesh = _mesh(AxisType.Auto)
+  mesh = AUTO_MESH
   params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=mesh)
   assert params["mine"]["w"].sharding.spec == P("fsdp", "tensor")
   with partition.axis_rules(RULES, mesh):
@@ -88,7 +88,7 @@ def test_param_axes_from_inside_transform_creator_and_getter():
   axes = partition.haiku.eval_axes(f, jax.random.key(0), x)
   assert axes["mlp/~/linear_0"] == {"w": ("embed", "mlp"), "b": ("mlp",)}
   assert axes["mlp/~/linear_1"] == {"w": ("mlp", "embed"), "b": None}
-  mesh = _mesh(AxisType.Auto)
+  mesh = AUTO_MESH
   params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=mesh)
   assert params["mlp/~/linear_1"]["w"].sharding.spec == P("tensor", "fsdp")
   with partition.axis_rules(RULES, mesh):
@@ -114,14 +114,14 @@ def test_transform_with_state_and_abstract_and_explain():
   f = hk.transform_with_state(fn)
   x = jnp.ones((4, 8))
   params, state = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES,
-                                               mesh=_mesh(), param_axes=TABLE)
+                                               mesh=MESH, param_axes=TABLE)
   assert params["mlp/~/linear_0"]["w"].sharding.spec == P("fsdp", "tensor")
   assert state["~"]["count"].sharding.spec == P()
   abstract = partition.haiku.abstract_init(hk.transform(stock), jax.random.key(0), x,
-                                           rules=RULES, mesh=_mesh(), param_axes=TABLE)
+                                           rules=RULES, mesh=MESH, param_axes=TABLE)
   assert abstract["mlp/~/linear_0"]["w"].sharding.spec == P("fsdp", "tensor")
   report = partition.haiku.explain(hk.transform(stock), jax.random.key(0), x, rules=RULES,
-                                   mesh=_mesh(), param_axes=TABLE)
+                                   mesh=MESH, param_axes=TABLE)
   assert report.bytes_per_device == 4 * (8 * 16 // 8 + 16 // 2 + 16 * 8 // 8 + 8)
 
 
@@ -129,7 +129,7 @@ def test_rank_mismatch_in_table_names_path():
   bad = partition.PathRules([(r"linear_0/b$", ("embed", "mlp"))])
   with pytest.raises(partition.PathRulesError, match=r"mlp/~/linear_0/b: pattern #0") as info:
     partition.haiku.init_sharded(hk.transform(stock), jax.random.key(0), jnp.ones((4, 8)),
-                                 rules=RULES, mesh=_mesh(), param_axes=bad)
+                                 rules=RULES, mesh=MESH, param_axes=bad)
   # the same class as partition.flax raises for the same mistake (one class per mistake)
   assert "got logical axes of the wrong rank from param_axes" in str(info.value)
   assert "at most one name (or None) per dim" in str(info.value)
@@ -137,12 +137,7 @@ def test_rank_mismatch_in_table_names_path():
 
 # -- hk.layer_stack: a leading stacked axis ----------------------------------------------------
 
-MESH3 = ("data", "fsdp", "tensor")
 STACK_RULES = [("layers", "data"), ("embed", "fsdp"), ("mlp", "tensor")]
-
-
-def _mesh3(axis_type=AxisType.Explicit):
-  return jax.make_mesh((2, 2, 2), MESH3, axis_types=(axis_type,) * 3)
 
 
 class Dense(hk.Module):
@@ -162,7 +157,7 @@ def test_layer_stack_get_parameter_gets_leading_stack_axis():
   unnamed = partition.haiku.eval_axes(f, jax.random.key(0), x, stack_axis=None)
   assert unnamed["__layer_stack_no_per_layer/dense"]["w"] == (None, "embed", "mlp")
   params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=STACK_RULES,
-                                        mesh=_mesh3())
+                                        mesh=MESH_3D)
   w = params["__layer_stack_no_per_layer/dense"]["w"]
   assert w.shape == (4, 8, 8) and w.sharding.spec == P("data", "fsdp", "tensor")
   np.testing.assert_array_equal(np.asarray(w), np.ones((4, 8, 8)))
@@ -197,7 +192,7 @@ def test_layer_stack_param_axes_from_and_table_nested_and_per_layer_inputs():
   (leaf,) = axes.values()
   assert leaf == {"w": ("layers", None, "mlp"), "b": ("layers", "mlp")}
   params = partition.haiku.init_sharded(f, jax.random.key(1), x, ys, rules=STACK_RULES,
-                                        mesh=_mesh3(), param_axes=table)
+                                        mesh=MESH_3D, param_axes=table)
   (p,) = params.values()
   assert p["w"].sharding.spec == P("data", "fsdp", "tensor")
   assert p["b"].sharding.spec == P("data", "tensor")
@@ -234,7 +229,7 @@ def test_python_flags_are_static_and_values_match_init():
   f = hk.transform(flagged)
   x = jnp.ones((4, 8))
   params = partition.haiku.init_sharded(f, jax.random.key(0), x, True, rules=RULES,
-                                        mesh=_mesh(), param_axes=TABLE)
+                                        mesh=MESH, param_axes=TABLE)
   ref = f.init(jax.random.key(0), x, True)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -242,11 +237,11 @@ def test_python_flags_are_static_and_values_match_init():
   with pytest.raises(TypeError, match=r"(?s)needs a concrete Python value.*args\[1\] "
                                       r"\(bool\[\]\).*static_argnums=") as info:
     partition.haiku.init_sharded(f, jax.random.key(0), x, jnp.array(True), rules=RULES,
-                                 mesh=_mesh(), param_axes=TABLE)
+                                 mesh=MESH, param_axes=TABLE)
   assert isinstance(info.value, partition.PartitionError)
   assert isinstance(info.value.__cause__, jax.errors.TracerBoolConversionError)
   again = partition.haiku.init_sharded(f, jax.random.key(0), x, jnp.array(True), rules=RULES,
-                                       mesh=_mesh(), param_axes=TABLE, static_argnums=1)
+                                       mesh=MESH, param_axes=TABLE, static_argnums=1)
   assert again["mlp/~/linear_0"]["w"].sharding.spec == P("fsdp", "tensor")
 
 
@@ -254,7 +249,7 @@ def test_python_flags_are_static_and_values_match_init():
 def test_int_seed_like_haiku_init():
   f = hk.transform(stock)
   x = jnp.ones((4, 8))
-  params = partition.haiku.init_sharded(f, 3, x, rules=RULES, mesh=_mesh(), param_axes=TABLE)
+  params = partition.haiku.init_sharded(f, 3, x, rules=RULES, mesh=MESH, param_axes=TABLE)
   ref = f.init(3, x)  # Haiku's own int-seed handling
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -267,12 +262,12 @@ def test_strict_is_the_adapters_not_the_models():
 
   f = hk.transform(fn)
   x = jnp.ones((4, 8))
-  partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=_mesh(),
+  partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=MESH,
                                param_axes=TABLE, strict=False)
   with pytest.raises(partition.PartitionError, match=r"(?s)init_sharded\(strict=True\).*"
                                                      r"mlp/~/linear_1/b: no declared axes "
                                                      r"and no path pattern matches it"):
-    partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=_mesh(),
+    partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=MESH,
                                  param_axes=TABLE, strict=True)
 
 
@@ -281,7 +276,7 @@ def test_replicated_warning_names_the_big_parameter():
   x = jnp.ones((2, 128))
   with pytest.warns(UserWarning, match=r"(?s)init_sharded: 2 parameter\(s\) are fully "
                                        r"replicated.*linear/w f32\[128,128\]"):
-    params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=_mesh())
+    params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=MESH)
   assert params["linear"]["w"].sharding.spec == P()
 
 
@@ -299,7 +294,7 @@ def test_get_state_axes_and_table_shard_state():
   table = [(r"batch_norm/~/(mean|var)_ema/(average|hidden)$", (None, "embed")),
            (r"counter$", None), (r"(scale|offset)$", (None, "embed"))]
   params, state = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES,
-                                               mesh=_mesh(), param_axes=table)
+                                               mesh=MESH, param_axes=table)
   assert state["~"]["total"].sharding.spec == P("fsdp", "tensor")
   assert state["batch_norm/~/mean_ema"]["average"].sharding.spec == P(None, "fsdp")
   assert state["batch_norm/~/mean_ema"]["counter"].sharding.spec == P()
@@ -309,7 +304,7 @@ def test_get_state_axes_and_table_shard_state():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
   axes = partition.haiku.eval_axes(f, jax.random.key(0), x, param_axes=table)
   assert axes[1]["~"] == {"total": ("embed", "mlp")}
-  report = partition.haiku.explain(f, jax.random.key(0), x, rules=RULES, mesh=_mesh(),
+  report = partition.haiku.explain(f, jax.random.key(0), x, rules=RULES, mesh=MESH,
                                    param_axes=table)
   assert "state/~/total" in str(report)
 
@@ -328,7 +323,7 @@ def test_constrain_outputs_in_jaxpr_and_values_unchanged():
   plain = hk.transform(stock)
   x = jnp.arange(32.0).reshape(4, 8) / 32
   params = plain.init(jax.random.key(0), x)
-  mesh = _mesh(AxisType.Auto)
+  mesh = AUTO_MESH
   with partition.axis_rules(RULES, mesh):
     jaxpr = jax.make_jaxpr(f.apply)(params, None, x)
     y = jax.jit(f.apply)(params, None, x)
@@ -349,7 +344,7 @@ def test_constrain_outputs_unused_rank_and_type_errors():
     def g(x):
       with partition.haiku.constrain_outputs(table, strict=strict):
         return fn(x)
-    with partition.axis_rules(RULES, _mesh(AxisType.Auto)):
+    with partition.axis_rules(RULES, AUTO_MESH):
       return hk.transform(g).init(jax.random.key(0), jnp.ones((4, 8)))
 
   with pytest.warns(UserWarning, match=r"pattern 'mlp/~/lnear_0\$' matched no module call"):
@@ -392,13 +387,13 @@ def test_entry_points_name_bad_arguments():
   ]
   for (transformed, rng), message in cases:
     with pytest.raises(TypeError, match=message) as info:
-      partition.haiku.init_sharded(transformed, rng, x, rules=RULES, mesh=_mesh())
+      partition.haiku.init_sharded(transformed, rng, x, rules=RULES, mesh=MESH)
     assert isinstance(info.value, partition.PartitionError)
   # Several problems of one call: one message.
   with pytest.raises(ValueError, match=r"(?s)plain callable.*rng must be a PRNG key.*"
                                        r"static_argnums=\(3,\) has \[3\], out of range.*"
                                        r"stack_axis must be a logical name"):
-    partition.haiku.init_sharded(stock, "k", x, rules=RULES, mesh=_mesh(), static_argnums=3,
+    partition.haiku.init_sharded(stock, "k", x, rules=RULES, mesh=MESH, static_argnums=3,
                                  stack_axis=7)
   with pytest.raises(TypeError, match=r"param_axes must be a partition.PathRules, a list"):
     partition.haiku.eval_axes(hk.transform(stock), jax.random.key(0), x, param_axes=3)
@@ -413,7 +408,7 @@ def test_layer_stack_state_made_by_set_state_gets_the_stack_axis():
            (r"(scale|offset)$", (None, "mlp"))]
   x = jnp.ones((4, 8))
   _, state = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=STACK_RULES,
-                                          mesh=_mesh3(), param_axes=table)
+                                          mesh=MESH_3D, param_axes=table)
   (ema,) = [v for k, v in state.items() if k.endswith("mean_ema")]
   assert ema["average"].shape == (2, 1, 8)
   assert ema["average"].sharding.spec == P("data", None, "tensor")
@@ -433,10 +428,10 @@ def test_table_pattern_matching_a_declared_parameter_is_used_under_strict():
 
   table = partition.PathRules([(r"/w$", ("embed", "mlp"))])
   params = partition.haiku.init_sharded(hk.transform(declared), jax.random.key(0),
-                                        jnp.ones((4, 8)), rules=RULES, mesh=_mesh(),
+                                        jnp.ones((4, 8)), rules=RULES, mesh=MESH,
                                         param_axes=table, strict=True)
   assert params["~"]["w"].sharding.spec == P("fsdp", "tensor")
   stale = table + [(r"never$", None)]
   with pytest.raises(partition.PlacementError, match=r"'never\$'"):
     partition.haiku.init_sharded(hk.transform(declared), jax.random.key(0), jnp.ones((4, 8)),
-                                 rules=RULES, mesh=_mesh(), param_axes=stale, strict=True)
+                                 rules=RULES, mesh=MESH, param_axes=stale, strict=True)

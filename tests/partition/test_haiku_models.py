@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 import partition.haiku
@@ -120,10 +121,6 @@ OUTPUTS = {r"multi_head_attention(_\d+)?/linear$": ("batch", "length", "embed"),
            r"^language_model/linear$": ("batch", "length", "vocab")}
 
 
-def _mesh(axis_type):
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
-
-
 def expected_axes(path, shape, table, stacked_dims):
   """Logical axes by re.search over the path (the test's own reading of the table); params
   under hk.layer_stack get 'layers' for their leading stacked dims."""
@@ -183,7 +180,7 @@ def _plain_init(stacked):
 @pytest.mark.bitwise  # Haiku's eager init against a jitted, sharded one
 def test_transformer_init_sharded_on_explicit_mesh(stacked, inside):
   f = hk.transform(_lm_fn(stacked, inside))
-  mesh = _mesh(AxisType.Explicit)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
   rng = jax.random.key(0)
   params = partition.haiku.init_sharded(f, rng, TOKENS, True, rules=RULES, mesh=mesh,
                                         param_axes=None if inside else LM_TABLE)
@@ -200,7 +197,7 @@ def test_transformer_init_sharded_on_explicit_mesh(stacked, inside):
 @pytest.mark.slow
 def test_transformer_apply_matches_single_device(stacked):
   f = hk.transform(_lm_fn(stacked, inside=True))
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   rng = jax.random.key(1)
   params = partition.haiku.init_sharded(f, rng, TOKENS, False, rules=RULES, mesh=mesh)
   ref_params = f.init(rng, TOKENS, False)
@@ -243,7 +240,7 @@ IMAGES = np.random.RandomState(0).normal(size=(4, 8, 8, 3)).astype(np.float32)
 @pytest.mark.bitwise  # Haiku's eager init against a jitted, sharded one
 def test_resnet_params_and_state_sharded_by_the_table():
   f = hk.transform_with_state(resnet)
-  mesh = _mesh(AxisType.Explicit)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
   rng = jax.random.key(0)
   params, state = partition.haiku.init_sharded(f, rng, IMAGES, True, rules=RULES, mesh=mesh,
                                                param_axes=RESNET_TABLE)
@@ -261,7 +258,7 @@ def test_resnet_params_and_state_sharded_by_the_table():
 @pytest.mark.slow
 def test_resnet_apply_matches_single_device():
   f = hk.transform_with_state(resnet)
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   rng = jax.random.key(0)
   params, state = partition.haiku.init_sharded(f, rng, IMAGES, True, rules=RULES, mesh=mesh,
                                                param_axes=RESNET_TABLE)

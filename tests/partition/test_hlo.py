@@ -9,19 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition._base.hlo import HloParseError
 
 AUTO = jax.sharding.AxisType.Auto
-
-
-def _mesh(devices=None):
-  if devices is None:
-    return jax.make_mesh((4, 2), ("a", "b"), axis_types=(AUTO, AUTO))
-  return Mesh(np.asarray(devices).reshape(4, 2), ("a", "b"), axis_types=(AUTO, AUTO))
 
 
 def _shard_map(f, mesh, in_spec, out_spec, x):
@@ -32,7 +27,7 @@ def _shard_map(f, mesh, in_spec, out_spec, x):
 
 @pytest.mark.parametrize("axes", [("a",), ("b",), ("a", "b")])
 def test_psum_is_one_all_reduce_over_its_axes(axes):
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("a", "b"), AUTO)
   x = jnp.ones((8, 16), jnp.float32)  # per device [2, 8] under P('a', 'b')
   stats = partition.collective_stats(
       _shard_map(lambda v: jax.lax.psum(v, axes), mesh, P("a", "b"), P("a", "b"), x), mesh)
@@ -42,7 +37,7 @@ def test_psum_is_one_all_reduce_over_its_axes(axes):
 
 
 def test_all_gather_and_psum_scatter_bytes():
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("a", "b"), AUTO)
   x = jnp.ones((16, 8), jnp.float32)
   gathered = partition.collective_stats(_shard_map(
       lambda v: jax.lax.all_gather(v, "a", tiled=True), mesh, P("a"), P(), x), mesh)
@@ -55,7 +50,7 @@ def test_all_gather_and_psum_scatter_bytes():
 
 
 def test_all_to_all_and_ppermute():
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("a", "b"), AUTO)
   x = jnp.ones((16, 8), jnp.float32)  # per device [4, 8] under P('a')
   a2a = partition.collective_stats(_shard_map(
       lambda v: jax.lax.all_to_all(v, "a", 0, 1, tiled=True), mesh, P("a"), P("a"), x), mesh)
@@ -70,7 +65,7 @@ def test_all_to_all_and_ppermute():
 
 def test_device_ids_are_positions_in_the_mesh():
   """A mesh over the devices in reverse order: groups still map to the named axis."""
-  mesh = _mesh(jax.devices()[::-1])
+  mesh = make_mesh((4, 2), ("a", "b"), AUTO, devices=jax.devices()[::-1])
   x = jnp.ones((8, 16), jnp.float32)
   for axis in ("a", "b"):
     stats = partition.collective_stats(
@@ -81,7 +76,7 @@ def test_device_ids_are_positions_in_the_mesh():
 
 def test_cpu_all_reduce_plus_dynamic_slice_is_a_reduce_scatter():
   """jit's FSDP gradient: XLA:CPU all-reduces the full gradient and slices each shard."""
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("a", "b"), AUTO)
   w_s, x_s = NamedSharding(mesh, P("a", None)), NamedSharding(mesh, P("a", None))
   loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) ** 2)
   compiled = jax.jit(jax.grad(loss), in_shardings=(w_s, x_s), out_shardings=w_s).lower(
@@ -140,13 +135,13 @@ def test_tuple_all_reduce_splits_its_sliced_operand():
 ])
 def test_replica_group_forms_map_to_mesh_axes(groups, axes):
   text = f"%x = f32[8]{{0}} all-reduce(%y), {groups}, to_apply=%add"
-  (op,) = partition.collective_stats(text, _mesh()).ops
+  (op,) = partition.collective_stats(text, make_mesh((4, 2), ("a", "b"), AUTO)).ops
   assert op.axes == axes
   assert op.group_size == {("a",): 4, ("b",): 2, None: 4}.get(axes, 8)
 
 
 def test_ops_in_a_loop_count_once_per_iteration():
-  mesh = jax.make_mesh((8,), ("d",), axis_types=(AUTO,))
+  mesh = make_mesh((8,), ("d",), AUTO)
 
   def f(x):  # each of 4 steps all-reduces a [4] partial sum
     def step(acc, i):
@@ -182,7 +177,7 @@ def test_table_and_dict_views_agree():
       "%a = f32[8]{0} all-reduce(%y), replica_groups={{0,2,4,6},{1,3,5,7}}",
       "%b = bf16[8]{0} all-reduce(%z), replica_groups={{0,2,4,6},{1,3,5,7}}",
   ])
-  stats = partition.collective_stats(text, _mesh())
+  stats = partition.collective_stats(text, make_mesh((4, 2), ("a", "b"), AUTO))
   assert stats.table() == {("all-reduce", ("a",)): {"count": 2,
                                                     "bytes": pytest.approx(2 * 48 * 3 / 4)}}
   assert stats.as_dict()["all-reduce"]["a"]["count"] == 2

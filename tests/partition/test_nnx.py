@@ -10,12 +10,14 @@ import pytest
 from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 import partition.nnx
 
 RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")]
+MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Explicit)
+AUTO_MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
 
 
 class MLP(nnx.Module):
@@ -32,15 +34,11 @@ class MLP(nnx.Module):
     return self.down(h)
 
 
-def _mesh(shape=(4, 2), names=("fsdp", "tensor"), axis_type=AxisType.Explicit):
-  return mesh_of(shape, names, axis_type)
-
-
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.parametrize("shape,names", [((8,), ("fsdp",)), ((4, 2), ("fsdp", "tensor")),
                                          ((2, 2, 2), ("data", "fsdp", "tensor"))])
 def test_init_sharded_specs_match_flax_resolver_and_values(shape, names, axis_type):
-  mesh = _mesh(shape, names, axis_type)
+  mesh = make_mesh(shape, names, axis_type)
   model = partition.nnx.init_sharded(lambda: MLP(nnx.Rngs(0)), rules=RULES, mesh=mesh)
   # Reference: flax's nnx.get_partition_spec under flax's own (dict-based) rules.
   with nnx.use_eager_sharding(False):
@@ -62,7 +60,7 @@ def test_init_sharded_specs_match_flax_resolver_and_values(shape, names, axis_ty
 
 
 def test_abstract_init_and_explain():
-  mesh = _mesh()
+  mesh = MESH
   graphdef, state = partition.nnx.abstract_init(lambda: MLP(nnx.Rngs(0)), rules=RULES,
                                                 mesh=mesh)
   k = state["up"]["kernel"].get_value()
@@ -73,7 +71,7 @@ def test_abstract_init_and_explain():
 
 
 def test_apply_under_rules_constrains_and_matches_single_device():
-  mesh = _mesh(axis_type=AxisType.Auto)
+  mesh = AUTO_MESH
   model = partition.nnx.init_sharded(lambda: MLP(nnx.Rngs(0)), rules=RULES, mesh=mesh)
   x = jnp.arange(32.0).reshape(4, 8) / 10
   with partition.axis_rules(RULES, mesh):
@@ -93,7 +91,7 @@ def test_deprecated_sharding_names_model_works_without_warnings_from_us():
 
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)  # flax warns at construction
-    model = partition.nnx.init_sharded(lambda: Old(nnx.Rngs(0)), rules=RULES, mesh=_mesh())
+    model = partition.nnx.init_sharded(lambda: Old(nnx.Rngs(0)), rules=RULES, mesh=MESH)
   assert model.w[...].sharding.spec == P("fsdp", "tensor")
 
 
@@ -102,7 +100,7 @@ def test_with_axes_on_stock_linear():
                                                        "bias": ("mlp",)},
                                    output=("batch", "mlp"))
   assert Linear.__name__ == "Linear" and issubclass(Linear, nnx.Linear)
-  mesh = _mesh(axis_type=AxisType.Auto)
+  mesh = AUTO_MESH
   model = partition.nnx.init_sharded(lambda: Linear(8, 16, rngs=nnx.Rngs(0)), rules=RULES,
                                      mesh=mesh)
   assert model.kernel[...].sharding.spec == P("fsdp", "tensor")
@@ -138,12 +136,12 @@ def test_init_sharded_argument_errors():
   model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
   with pytest.raises(TypeError, match=r"got an already built Linear instance. Pass a "
                                       r"function that builds it") as e:
-    partition.nnx.init_sharded(model, rules=RULES, mesh=_mesh())
+    partition.nnx.init_sharded(model, rules=RULES, mesh=MESH)
   assert isinstance(e.value, partition.PartitionError)
   with pytest.raises(TypeError, match=r"Use partition.flax.init_sharded"):
-    partition.nnx.explain(nn.Dense(3), rules=RULES, mesh=_mesh())
+    partition.nnx.explain(nn.Dense(3), rules=RULES, mesh=MESH)
   with pytest.raises(TypeError, match=r"init_fn must be a function.*got int 3"):
-    partition.nnx.init_sharded(3, rules=RULES, mesh=_mesh())
+    partition.nnx.init_sharded(3, rules=RULES, mesh=MESH)
 
 
 def test_path_table_for_stock_modules_and_annotate():
@@ -152,7 +150,7 @@ def test_path_table_for_stock_modules_and_annotate():
                           nnx.Linear(16, 8, rngs=nnx.Rngs(1)))
   table = partition.PathRules([(r"layers/0/kernel$", ("embed", "mlp")),
                                (r"layers/1/kernel$", ("mlp", "embed"))])
-  model = partition.nnx.init_sharded(build, rules=RULES, mesh=_mesh(), param_axes=table)
+  model = partition.nnx.init_sharded(build, rules=RULES, mesh=MESH, param_axes=table)
   assert model.layers[0].kernel[...].sharding.spec == P("fsdp", "tensor")
   assert model.layers[1].kernel[...].sharding.spec == P("tensor", "fsdp")
   with nnx.use_eager_sharding(False):
@@ -163,12 +161,12 @@ def test_path_table_for_stock_modules_and_annotate():
 
 def test_errors_name_the_fix():
   with pytest.raises(ValueError, match="Pass rules=partition.AxisRules"):
-    partition.nnx.init_sharded(lambda: MLP(nnx.Rngs(0)), mesh=_mesh())
+    partition.nnx.init_sharded(lambda: MLP(nnx.Rngs(0)), mesh=MESH)
 
 
 def test_init_fn_that_returns_no_module_is_an_adapter_type_error():
   """Was a bare IndexError from nnx.split."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   rules = partition.AxisRules([("batch", "data")])
   with pytest.raises(partition.PartitionError) as info:
     partition.nnx.init_sharded(lambda: 3, rules=rules, mesh=mesh)

@@ -11,11 +11,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import partition_testlib
 import pytest
 from flax import nnx
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 import partition.nnx
@@ -48,10 +48,6 @@ class LogicalMlp(nnx.Module):
     return self.down(nnx.relu(self.up(x)))
 
 
-def mesh_of(shape=(4, 2), names=("data", "model"), axis_type=AxisType.Explicit):
-  return partition_testlib.mesh_of(shape, names, axis_type)
-
-
 def shardings(model):
   return {"/".join(map(str, path)): v[...]
           for path, v in nnx.iter_graph(model) if isinstance(v, nnx.Param)}
@@ -60,7 +56,7 @@ def shardings(model):
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
 @pytest.mark.slow
 def test_mesh_axis_names_pass_through_as_flax_nnx_places_them(axis_type):
-  mesh = mesh_of(axis_type=axis_type)
+  mesh = make_mesh((4, 2), ("data", "model"), axis_type)
   rules = [("batch", "data")]  # no rule for 'model': it is the mesh axis, as in flax NNX
   with warnings.catch_warnings():
     warnings.simplefilter("error", partition.ReplicatedWarning)
@@ -82,7 +78,7 @@ def test_mesh_axis_names_pass_through_as_flax_nnx_places_them(axis_type):
 
 @pytest.mark.slow
 def test_logical_names_match_flax_resolver_and_one_device():
-  mesh = mesh_of((2, 4), ("fsdp", "tensor"), AxisType.Auto)
+  mesh = make_mesh((2, 4), ("fsdp", "tensor"), AxisType.Auto)
   rules = [("embed", "fsdp"), ("mlp", "tensor")]
   model = partition.nnx.init_sharded(lambda: LogicalMlp(nnx.Rngs(0)), rules=rules, mesh=mesh)
   with nnx.use_eager_sharding(False):
@@ -100,7 +96,7 @@ def test_logical_names_match_flax_resolver_and_one_device():
 def test_preset_with_vanished_axes_under_axis_rules_and_eager_sharding():
   # fsdp_tp.yaml maps mlp -> tensor; on a (data, fsdp) mesh 'tensor' is absent. flax NNX
   # resolves names with rules.get(name, name): the installed table must map mlp -> None.
-  mesh = mesh_of((2, 4), ("data", "fsdp"), AxisType.Auto)
+  mesh = make_mesh((2, 4), ("data", "fsdp"), AxisType.Auto)
   rules = partition.AxisRules.from_file(PRESET)
   with partition.axis_rules(rules, mesh), jax.set_mesh(mesh):
     layer = nnx.Linear(8, 16, rngs=nnx.Rngs(0),
@@ -112,7 +108,7 @@ def test_preset_with_vanished_axes_under_axis_rules_and_eager_sharding():
 
 
 def test_explain_and_init_on_a_module_holding_rngs():
-  mesh = mesh_of()
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
   report = partition.nnx.explain(lambda: GuideMlp(nnx.Rngs(0)), rules=[("batch", "data")],
                                  mesh=mesh)
   rows = {r.path: r for r in report.rows}
@@ -123,7 +119,7 @@ def test_explain_and_init_on_a_module_holding_rngs():
 
 
 def test_strict_and_replicated_warning():
-  mesh = mesh_of((2, 4), ("fsdp", "tensor"))
+  mesh = make_mesh((2, 4), ("fsdp", "tensor"), AxisType.Explicit)
 
   def big():
     return nnx.Linear(128, 256, rngs=nnx.Rngs(0),

@@ -4,8 +4,9 @@ import jax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding, SingleDeviceSharding
+from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 
@@ -17,7 +18,7 @@ AXES = {"embed": ("vocab", "embed"), "w_in": ("embed", "mlp"), "w_out": ("mlp", 
 
 @pytest.fixture(scope="module")
 def mesh():
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  return make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
 
 
 def make_params(key=0):

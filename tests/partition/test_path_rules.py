@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import partition
 
@@ -169,7 +171,7 @@ def test_init_sharded_reports_a_shadowed_pattern_not_as_matching_nothing():
     def __call__(self, x):
       return nn.Dense(4)(x)
 
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   with pytest.raises(partition.PlacementError) as e:
     partition.flax.init_sharded(Mlp(), jax.random.key(0), jnp.ones((2, 3)),
                                 rules=[("mlp", "data")], mesh=mesh,

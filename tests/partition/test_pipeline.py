@@ -18,6 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition import LayerCountError, MicrobatchError, PipelineError, StageAxisError
@@ -61,10 +62,6 @@ def sequential_reference(num_layers):
   return out, float(loss), jax.tree.map(np.asarray, grads)
 
 
-def make_mesh(stages, axis_type=AxisType.Auto):
-  return jax.make_mesh((stages, 8 // stages), ("stage", "data"), axis_types=(axis_type,) * 2)
-
-
 def place(mesh, params, x, other):
   """Weights on their stage (and FSDP-sharded over 'data' for other='fsdp'); the batch
   sharded over 'data' unless other is None."""
@@ -98,7 +95,7 @@ FAST = [(8, 2, 2, "fsdp")]
 def check_against_one_device(num_layers, stages, repeats, other, axis_type=AxisType.Auto):
   params, x = stack(num_layers), batch()
   _, want_loss, want_grads = sequential_reference(num_layers)
-  mesh = make_mesh(stages, axis_type)
+  mesh = make_mesh((stages, 8 // stages), ("stage", "data"), axis_type)
   with jax.set_mesh(mesh):
     placed = place(mesh, params, x, other)
     loss, grads = pipelined_value_and_grad(mesh, 4, repeats)(*placed)
@@ -156,7 +153,7 @@ def group_size(line: str) -> int:
 
 def compiled_text(num_layers, stages, repeats, other, microbatches):
   params, x = stack(num_layers), batch(microbatches * 4)  # rows divisible by m x data
-  mesh = make_mesh(stages)
+  mesh = make_mesh((stages, 8 // stages), ("stage", "data"), AxisType.Auto)
   with jax.set_mesh(mesh):
     placed = place(mesh, params, x, other)
     step = pipelined_value_and_grad(mesh, microbatches, repeats)
@@ -196,7 +193,7 @@ def test_no_all_gather_over_stage(num_layers, stages, repeats, other):
 
 def test_parameter_bytes_per_device_are_total_over_stages():
   params, x = stack(8), batch()
-  mesh = make_mesh(4)
+  mesh = make_mesh((4, 2), ("stage", "data"), AxisType.Auto)
   with jax.set_mesh(mesh):
     placed, x_placed = place(mesh, params, x, "data")
     compiled = pipelined_value_and_grad(mesh, 4, 1).lower(placed, x_placed).compile()
@@ -215,7 +212,7 @@ def test_parameter_bytes_per_device_are_total_over_stages():
 def test_stage_axis_from_rules_and_plain_scan_without_one():
   params, x = stack(8), batch()
   want = sequential_reference(8)[0]
-  mesh = make_mesh(4)
+  mesh = make_mesh((4, 2), ("stage", "data"), AxisType.Auto)
   rules = partition.AxisRules([("layers", "stage"), ("batch", "data")])
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     placed = place(mesh, params, x, "data")
@@ -243,7 +240,7 @@ def test_remat_policy_consts_and_pytree_activations():
 
   xs = {"a": x, "b": x[:, ::-1]}
   want, want_vjp = jax.vjp(reference, params, xs)
-  mesh = make_mesh(2)
+  mesh = make_mesh((2, 4), ("stage", "data"), AxisType.Auto)
 
   def run(params, xs):
     return partition.pipeline(two_stream, params, xs, microbatches=2, consts=(scale,),
@@ -266,7 +263,7 @@ def test_composes_with_value_and_grad():
     return jnp.mean((out - b["y"]) ** 2)
 
   want_loss, want_grads = jax.value_and_grad(loss_fn)(params, {"x": x, "y": y})
-  mesh = make_mesh(4)
+  mesh = make_mesh((4, 2), ("stage", "data"), AxisType.Auto)
   rules = partition.AxisRules([("layers", "stage"), ("batch", "data")])
   step = partition.value_and_grad(
       loss_fn, batch_axes={"x": ("batch", None), "y": ("batch", None)},
@@ -294,7 +291,7 @@ def test_plan_and_bubble():
 
 
 def call(num_layers=8, stages=4, microbatches=4, repeats=1, rows=BATCH, **kw):
-  mesh = make_mesh(stages)
+  mesh = make_mesh((stages, 8 // stages), ("stage", "data"), AxisType.Auto)
   kw.setdefault("stage_axis", "stage")
   return partition.pipeline(layer, stack(num_layers), batch(rows), microbatches=microbatches,
                             repeats=repeats, mesh=mesh, **kw)
@@ -343,7 +340,7 @@ def test_error_leaves_disagree_and_bad_remat_policy():
   params = {"w": jnp.zeros((8, D, D)), "b": jnp.zeros((4, D))}
   with pytest.raises(LayerCountError, match=r"disagree(.|\n)*params\['b'\]: 4"):
     partition.pipeline(layer, params, batch(), microbatches=4, stage_axis="stage",
-                       mesh=make_mesh(4))
+                       mesh=make_mesh((4, 2), ("stage", "data"), AxisType.Auto))
   with pytest.raises(PipelineError, match="remat_policy='everything' is not in "
                      "jax.checkpoint_policies"):
     call(remat_policy="everything")
@@ -403,7 +400,7 @@ def test_presets_put_layers_on_stage(preset, other):
   path = (pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
           / f"{preset}.yaml")
   rules = partition.AxisRules.from_file(path)
-  mesh = jax.make_mesh((2, 4), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((2, 4), (other, "stage"), AxisType.Auto)
   # the stacked kernel of a block: layers on stage, the rest by the data/FSDP rules
   spec = rules.spec(("layers", "embed", "mlp"), (8, 16, 32), mesh=mesh)
   assert spec == (P("stage", "fsdp", None) if other == "fsdp" else P("stage", None, None))
@@ -461,7 +458,7 @@ def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, mic
                                                                               repeats)
   rules = partition.AxisRules.from_file(
       pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / f"{preset}.yaml")
-  mesh = jax.make_mesh((2, stages), (other, "stage"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((2, stages), (other, "stage"), AxisType.Auto)
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     placed = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=rules,
                                          mesh=mesh)

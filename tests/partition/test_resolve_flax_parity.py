@@ -8,11 +8,12 @@ divisibility fallback (a documented difference, see docs/rules.md) out of the co
 import math
 
 import flax.linen as nn
-import jax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 
@@ -140,10 +141,9 @@ def drop_size_one(spec, sizes):
   return P(*out)
 
 
-def make_mesh(sizes: dict, names):
-  shape = tuple(sizes.get(n, 1) for n in names)
-  n = math.prod(shape)
-  return jax.make_mesh(shape, tuple(names), devices=jax.devices()[:n])
+def sized_mesh(sizes: dict, names):
+  """A mesh with axes ``names``, of the sizes in ``sizes`` (1 for a name missing there)."""
+  return make_mesh([sizes.get(n, 1) for n in names], names, AxisType.Explicit)
 
 
 def check(pairs, axes, mesh):
@@ -159,7 +159,7 @@ def test_maxtext_rules_and_layer_axes_match_flax(sizes, form):
   # MaxText's own mesh has all 12 axes (most of size 1); a user's mesh may have only the
   # axes it uses. Both place like flax: a mesh that lacks an axis acts as size 1.
   names = MAXTEXT_MESH_AXES if form == "all axes" else tuple(sizes)
-  mesh = make_mesh(sizes, names)
+  mesh = sized_mesh(sizes, names)
   for axes in MAXTEXT_AXES:
     check(MAXTEXT_RULES, axes, mesh)
 
@@ -167,7 +167,7 @@ def test_maxtext_rules_and_layer_axes_match_flax(sizes, form):
 def test_maxtext_activation_length_is_not_put_on_context_when_expert_is_taken():
   # activation_batch claims 'expert' (size 1 here): flax then skips both activation_length
   # candidates, which also name 'expert'. Dropping size-1 axes first would shard on context.
-  mesh = make_mesh({"context": 2, "tensor": 2, "fsdp": 2}, MAXTEXT_MESH_AXES)
+  mesh = sized_mesh({"context": 2, "tensor": 2, "fsdp": 2}, MAXTEXT_MESH_AXES)
   axes = ("activation_batch", "activation_length", "activation_embed")
   res = partition.AxisRules(MAXTEXT_RULES).resolve(axes, (8, 8, 8), mesh)
   assert res.spec == P("fsdp", None, "tensor")
@@ -177,7 +177,7 @@ def test_maxtext_activation_length_is_not_put_on_context_when_expert_is_taken():
 
 @pytest.mark.parametrize("names", [("data", "tensor"), ("data",)], ids=str)
 def test_size_one_or_absent_only_rule_fires_like_flax(names):
-  mesh = make_mesh({"data": 8}, names)
+  mesh = sized_mesh({"data": 8}, names)
   rules = partition.AxisRules([("mlp", "tensor"), ("mlp", "data")])
   assert nn.logical_to_mesh_axes(("mlp",), as_flax(rules.to_dict()["rules"])) == P("tensor")
   res = rules.resolve(("mlp",), (8,), mesh)
@@ -190,7 +190,7 @@ def test_size_one_or_absent_only_rule_fires_like_flax(names):
 @pytest.mark.parametrize("variant", sorted(T5X_RULES), ids=str)
 @pytest.mark.parametrize("shape", [(4, 2), (2, 4), (8, 1), (1, 8)], ids=str)
 def test_t5x_standard_rules_match_flax(variant, shape):
-  mesh = make_mesh(dict(zip(("data", "model"), shape)), ("data", "model"))
+  mesh = sized_mesh(dict(zip(("data", "model"), shape)), ("data", "model"))
   for axes in T5X_AXES:
     check(T5X_RULES[variant] + T5X_REPLICATED, axes, mesh)
 
@@ -210,5 +210,5 @@ mesh_sizes = st.lists(st.sampled_from((0, 1, 2)), min_size=4, max_size=4).filter
 @given(rule_tables, axes_tuples, mesh_sizes)
 def test_random_tables_match_flax_after_dropping_size_one(pairs, axes, sizes):
   present = {a: n for a, n in zip(MESH_AXES, sizes) if n}
-  mesh = make_mesh(present, tuple(present))
+  mesh = sized_mesh(present, tuple(present))
   check([(n, v) for n, v in pairs], tuple(axes), mesh)

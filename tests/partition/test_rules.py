@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules, SerialLoop
@@ -111,7 +111,7 @@ def test_matches_flax_logical_to_mesh_axes(table, axes):
 @given(tables, st.lists(st.sampled_from(NAMES + (None,)), max_size=5),
        st.lists(st.integers(1, 12), min_size=5, max_size=5))
 def test_one_entry_per_dim_and_no_repeated_mesh_axis(table, axes, sizes):
-  mesh = mesh_of((2, 2, 2), ("x", "y", "z"))
+  mesh = make_mesh((2, 2, 2), ("x", "y", "z"))
   for shape, m in ((None, None), (tuple(sizes[:len(axes)]), mesh)):
     spec = AxisRules(table).spec(tuple(axes), shape, m)
     assert len(spec) == len(axes)
@@ -127,7 +127,7 @@ def test_one_entry_per_dim_and_no_repeated_mesh_axis(table, axes, sizes):
                              (not isinstance(v, tuple) or "w" not in v)]),
        axes_tuples.filter(lambda a: "unknown" not in a))
 def test_equals_flax_on_divisible_shapes(table, axes):
-  mesh = mesh_of((2, 2, 2), ("x", "y", "z"))
+  mesh = make_mesh((2, 2, 2), ("x", "y", "z"))
   shape = (8,) * len(axes)
   assert AxisRules(table).spec(tuple(axes), shape, mesh) == nn.logical_to_mesh_axes(
       tuple(axes), table)
@@ -166,7 +166,7 @@ def test_unannotated_and_passthrough():
 
 
 def test_indivisible_candidate_falls_back():
-  mesh = mesh_of((2, 4), ("data", "fsdp"))
+  mesh = make_mesh((2, 4), ("data", "fsdp"))
   rules = AxisRules([("batch", ("data", "fsdp")), ("batch", "data"), ("embed", "fsdp")])
   assert rules.spec(("batch", "embed"), (16, 8), mesh) == P(("data", "fsdp"), None)
   assert rules.spec(("batch", "embed"), (6, 8), mesh) == P("data", "fsdp")
@@ -187,7 +187,7 @@ def drop_absent_and_size_one(spec, mesh):
 
 
 def test_size_one_and_absent_axes_place_as_flax():
-  mesh = mesh_of((8, 1), ("data", "tensor"))
+  mesh = make_mesh((8, 1), ("data", "tensor"))
   rules = AxisRules([("batch", ("data", "tensor")), ("mlp", "tensor"), ("mlp", "data"),
                      ("embed", ("fsdp", "data")), ("b", "fsdp"), ("b", "data")])
   for axes in [("batch",), ("mlp",), ("mlp", "batch"), ("batch", "mlp"), ("embed",),
@@ -196,7 +196,7 @@ def test_size_one_and_absent_axes_place_as_flax():
     want = drop_absent_and_size_one(flax_spec, mesh)
     assert rules.spec(axes, (8,) * len(axes), mesh) == want, axes
     # A mesh that lacks an axis places like one that has it with size 1.
-    assert rules.spec(axes, None, mesh_of((8, 1, 1), ("data", "tensor", "fsdp"))) == want
+    assert rules.spec(axes, None, make_mesh((8, 1, 1), ("data", "tensor", "fsdp"))) == want
   # A rule whose axes all have size 1 fires (flax placement): the dim is replicated.
   res = rules.resolve(("mlp",), (8,), mesh)
   assert [a.outcome for a in res.dims[0].attempts] == ["fired"]
@@ -207,14 +207,14 @@ def test_size_one_and_absent_axes_place_as_flax():
 def test_serial_loop_is_ignored_for_arrays():
   rules = AxisRules([("batch", ("data", SerialLoop(4))), ("mb", SerialLoop(2)), ("mb", "x")])
   assert rules.spec(("batch", "mb")) == P("data", None)
-  mesh = mesh_of((4, 2), ("data", "x"))
+  mesh = make_mesh((4, 2), ("data", "x"))
   assert rules.spec(("batch", "mb"), (4, 4), mesh) == P("data", None)
 
 
 @pytest.mark.parametrize("shape, names", [((8,), ("a",)), ((4, 2), ("a", "b")),
                                           ((2, 2, 2), ("a", "b", "c"))])
 def test_sharding_and_placement(shape, names):
-  mesh = mesh_of(shape, names)
+  mesh = make_mesh(shape, names)
   rules = AxisRules([("batch", names), ("embed", names[-1])])
   sharding = rules.sharding(("batch", "embed"), mesh, (16, 4))
   assert isinstance(sharding, NamedSharding)
@@ -226,7 +226,7 @@ def test_sharding_and_placement(shape, names):
 def test_sharding_needs_a_mesh():
   with pytest.raises(ValueError, match="needs a mesh"):
     AxisRules([("batch", "x")]).sharding(("batch",), None)
-  mesh = mesh_of((8,), ("x",))
+  mesh = make_mesh((8,), ("x",))
   with jax.set_mesh(mesh):
     assert AxisRules([("batch", "x")]).sharding(("batch",), None).spec == P("x")
 
@@ -243,7 +243,7 @@ def test_strict_unknown_name_did_you_mean():
 
 
 def test_strict_unknown_mesh_axis_did_you_mean():
-  mesh = mesh_of((4, 2), ("data", "tensor"))
+  mesh = make_mesh((4, 2), ("data", "tensor"))
   rules = AxisRules([("mlp", "tensr")])
   with pytest.raises(ValueError, match=r"'tensr', which is not a mesh axis \(did you mean "
                                        r"'tensor'\?\)"):
@@ -251,7 +251,7 @@ def test_strict_unknown_mesh_axis_did_you_mean():
 
 
 def test_strict_indivisible_collects_all_problems():
-  mesh = mesh_of((4, 2), ("data", "tensor"))
+  mesh = make_mesh((4, 2), ("data", "tensor"))
   rules = AxisRules([("batch", "data"), ("mlp", "tensor"), ("mlp", "data")])
   assert rules.spec(("batch", "mlp"), (8, 3), mesh) == P("data", None)
   with pytest.raises(ValueError) as err:
@@ -269,7 +269,7 @@ def test_strict_indivisible_collects_all_problems():
 
 
 def test_tree_specs_and_shardings():
-  mesh = mesh_of((4, 2), ("fsdp", "tensor"))
+  mesh = make_mesh((4, 2), ("fsdp", "tensor"))
   rules = AxisRules([("embed", "fsdp"), ("mlp", "tensor")])
   axes = {"w": ("embed", "mlp"), "b": ("mlp",), "scale": None, "step": ()}
   shapes = {"w": jax.ShapeDtypeStruct((6, 8), jnp.float32), "b": jnp.zeros(8),
@@ -302,7 +302,7 @@ def test_tree_errors_name_every_leaf():
 
 
 def test_xmap_resources_resolution():
-  mesh = mesh_of((4, 2), ("data", "tensor"))
+  mesh = make_mesh((4, 2), ("data", "tensor"))
   rules = AxisRules([("batch", ("data", SerialLoop(4))), ("batch", "data"),
                      ("heads", "tensor"), ("kv", "tensor"), ("mb", SerialLoop(2))])
   out = rules.xmap_resources(["batch", "heads", "kv", "other", "mb"], mesh=mesh,
@@ -316,7 +316,7 @@ def test_xmap_resources_resolution():
 
 
 def test_xmap_resources_missing_axes_and_named_loops():
-  mesh = mesh_of((8,), ("data",))
+  mesh = make_mesh((8,), ("data",))
   rules = AxisRules([("batch", ("data", "fsdp")), ("mb", "loop")])
   assert rules.xmap_resources(["batch"], mesh=mesh) == {"batch": ("data",)}
   with pytest.raises(ValueError, match="'fsdp', which is not a mesh axis"):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import partition
 from partition import Mean, SerialLoop, Sum, xmap
@@ -32,10 +33,6 @@ VARIANTS = {
 AXIS_TYPES = [AxisType.Auto, AxisType.Explicit]
 
 
-def _mesh(axis_type):
-  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
-
-
 @contextlib.contextmanager
 def _scope(variant, axis_type=AxisType.Auto):
   """Named loops for the variant; for Explicit meshes also the mesh context, which eager
@@ -44,7 +41,7 @@ def _scope(variant, axis_type=AxisType.Auto):
     if variant == "named_loop":
       stack.enter_context(partition.serial_loop("l", 2))
     if axis_type == AxisType.Explicit:
-      stack.enter_context(jax.set_mesh(_mesh(axis_type)))
+      stack.enter_context(jax.set_mesh(make_mesh((4, 2), ("x", "y"), axis_type)))
     yield
 
 
@@ -70,7 +67,8 @@ OUT_AXES = (["b", "f"], Sum("b", axes=["f"]), Mean("b", "f"))
 
 
 def _xmapped(variant, axis_type, fun=named_fun, in_axes=IN_AXES, out_axes=OUT_AXES):
-  return xmap(fun, in_axes, out_axes, axis_resources=VARIANTS[variant], mesh=_mesh(axis_type))
+  return xmap(fun, in_axes, out_axes, axis_resources=VARIANTS[variant],
+              mesh=make_mesh((4, 2), ("x", "y"), axis_type))
 
 
 def _assert_trees_close(actual, expected, rtol=1e-5, atol=1e-6):
@@ -101,7 +99,7 @@ def test_output_sharding_follows_resources(variant, axis_type):
   resources = VARIANTS[variant]
   expected = [resources.get(name) for name in ("b", "f")]
   expected = [_mesh_part(r) for r in expected]
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
   if expected == [None, None]:  # no mesh resources: an ordinary unsharded array
     assert y.sharding.is_fully_replicated
     return
@@ -212,7 +210,7 @@ def test_outer_vmap_and_jit(variant, axis_type, spmd_axis_name):
 def test_nested_xmap(variant, axis_type):
   w, x = _data()
   resources = VARIANTS[variant]
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
 
   def over_f(w_f, x):
     inner = xmap(lambda x_b: jnp.tanh(w_f @ x_b), ["b", ...], ["b", ...],
@@ -296,7 +294,7 @@ def _positional_checkpoint_scan_grad():
 @types
 def test_set_mesh_context_instead_of_argument(axis_type):
   w, x = _data()
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
   f = xmap(named_fun, IN_AXES, OUT_AXES, axis_resources={"b": ("x", SerialLoop(2)), "f": "y"})
   with jax.set_mesh(mesh):
     got = f(w, x)
@@ -314,7 +312,7 @@ def test_no_retrace_on_equal_shapes():
     return x * 2
 
   f = xmap(fun, ["b", ...], ["b", ...], axis_resources={"b": ("x", SerialLoop(2))},
-           mesh=_mesh(AxisType.Auto))
+           mesh=make_mesh((4, 2), ("x", "y"), AxisType.Auto))
   x = jnp.arange(16.0)
   f(x)
   n = len(calls)
@@ -337,7 +335,7 @@ def test_value_and_grad_of_mean_loss(variant, axis_type):
   resources = {k: v for k, v in VARIANTS[variant].items() if k == "b"}
   with _scope(variant, axis_type):
     f = xmap(jax.value_and_grad(loss), ([...], ["b", ...]), (Mean("b"), Mean("b")),
-             axis_resources=resources, mesh=_mesh(axis_type))
+             axis_resources=resources, mesh=make_mesh((4, 2), ("x", "y"), axis_type))
     value, grad = f(w, x)
   want_value, want_grad = jax.value_and_grad(
       lambda w: jnp.mean(jax.vmap(loss, in_axes=(None, 0))(w, x)))(w)

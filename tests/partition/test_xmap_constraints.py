@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, PartitionSpec
+from mesh_testlib import make_mesh
 
 import partition
 
@@ -33,7 +34,7 @@ class _Constrained(nn.Module):
 
 @pytest.fixture
 def mesh():
-  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  return make_mesh((4, 2), ("data", "model"), AxisType.Auto)
 
 
 @pytest.mark.parametrize("rules_from", ["partition.axis_rules", "nn.logical_axis_rules"])

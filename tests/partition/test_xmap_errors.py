@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import partition
 from partition import Mean, SerialLoop, Sum, xmap
@@ -23,12 +24,12 @@ def ident(x):
 
 @pytest.fixture(scope="module")
 def mesh8():
-  return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  return make_mesh((8,), ("x",), AxisType.Auto)
 
 
 @pytest.fixture(scope="module")
 def mesh42():
-  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  return make_mesh((4, 2), ("x", "y"), AxisType.Auto)
 
 
 def _raises(base, match):
@@ -527,8 +528,8 @@ def test_ppermute_over_several_axes():
 
 
 def test_auto_mesh_argument_inside_explicit_set_mesh():
-  auto = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
-  explicit = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  auto = make_mesh((8,), ("x",), AxisType.Auto)
+  explicit = make_mesh((8,), ("x",), AxisType.Explicit)
   f = xmap(jnp.sin, ["i", ...], ["i", ...], axis_resources={"i": "x"}, mesh=auto)
   with jax.set_mesh(explicit):
     with _raises(ValueError, r"mesh= and the mesh in context \(jax.set_mesh\) differ(?s:.*)"
@@ -660,7 +661,7 @@ def test_error_names_the_user_function():
 
 def test_abstract_mesh_without_a_context_mesh_is_a_mesh_error():
   """JAX would raise a RuntimeError ("requires a non-empty mesh in context")."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
   f = xmap(jnp.sin, ["b", ...], ["b", ...], axis_resources={"b": "data"},
            mesh=mesh.abstract_mesh)
   with pytest.raises(partition.MeshError) as info:

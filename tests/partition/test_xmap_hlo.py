@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 from partition import Mean, SerialLoop, Sum, xmap
 
@@ -91,7 +91,7 @@ PSUM_MESHES = {
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
 def test_psum_over_sharded_axis_is_one_all_reduce(axis_type, mesh_kind, how):
   shape, names, resources = PSUM_MESHES[mesh_kind]
-  mesh = mesh_of(shape, names, axis_type)
+  mesh = make_mesh(shape, names, axis_type)
   f = xmap(lambda x: x / lax.psum(jnp.sum(x * x), "b"), ["b", ...], ["b", ...],
            axis_resources={"b": resources}, mesh=mesh)
   x = _input((32, 16), mesh, P(resources), how)
@@ -107,7 +107,7 @@ def test_psum_over_sharded_axis_is_one_all_reduce(axis_type, mesh_kind, how):
 @pytest.mark.parametrize("how", INPUTS)
 @pytest.mark.parametrize("axis_type", AXIS_TYPES, ids=lambda t: t.name)
 def test_sum_over_mesh_and_loop_accumulates_locally(axis_type, how, out_axes):
-  mesh = mesh_of((8,), ("x",), axis_type)
+  mesh = make_mesh((8,), ("x",), axis_type)
   f = xmap(lambda w, x: jnp.sin(w * x), ([...], ["b", ...]), out_axes,
            axis_resources={"b": ("x", SerialLoop(4))}, mesh=mesh)
   w = _input((16,), mesh, P(), how)
@@ -127,7 +127,7 @@ def test_sum_over_mesh_and_loop_accumulates_locally(axis_type, how, out_axes):
 
 def test_hlo_parser_sees_while_body_collectives():
   """The parser must find a collective placed inside a loop body (guards the test above)."""
-  mesh = mesh_of((8,), ("x",), AxisType.Auto)
+  mesh = make_mesh((8,), ("x",), AxisType.Auto)
 
   def f(x):
     def step(c, xi):

@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 from partition import Logical, Mean, SerialLoop, xmap
 
 TYPES = pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit],
                                 ids=["Auto", "Explicit"])
-
-
-def _mesh(axis_type):
-  return jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(axis_type,) * 3)
 
 
 def _loss(w, x):
@@ -54,7 +51,7 @@ def _collectives(text):
 @TYPES
 @pytest.mark.slow
 def test_fsdp_accumulation_keeps_parameter_sharding(axis_type):
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
   w_np, x_np = _data()
   spec = P("fsdp", "tensor")
   w = jax.device_put(w_np, NamedSharding(mesh, spec))
@@ -85,7 +82,7 @@ def test_fsdp_accumulation_keeps_parameter_sharding(axis_type):
 
 @TYPES
 def test_committed_input_keeps_positional_sharding(axis_type):
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
   w_np, x_np = _data()
   w = jax.device_put(w_np, NamedSharding(mesh, P("fsdp", "tensor")))
   f = xmap(lambda w, x: jnp.tanh(x @ w), in_axes=([...], ["batch", ...]),
@@ -100,7 +97,7 @@ def test_committed_input_keeps_positional_sharding(axis_type):
 
 
 def test_committed_input_drops_mesh_axes_its_named_dim_takes():
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   x_np = np.arange(32.0, dtype=np.float32).reshape(8, 4)
   x = jax.device_put(x_np, NamedSharding(mesh, P("fsdp", "data")))  # dim 1 on 'data'
   f = xmap(lambda v: v * 2, in_axes=["batch", ...], out_axes=["batch", ...],
@@ -112,7 +109,7 @@ def test_committed_input_drops_mesh_axes_its_named_dim_takes():
 
 def test_uncommitted_outputs_are_left_to_propagation():
   """Unstated positional output dims are UNCONSTRAINED: the result follows its input."""
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   w_np, _ = _data()
   w = jax.device_put(w_np, NamedSharding(mesh, P("fsdp", "tensor")))
   f = xmap(lambda w: jnp.sin(w) * 2, in_axes=[...], out_axes=[...], mesh=mesh,
@@ -124,7 +121,7 @@ def test_uncommitted_outputs_are_left_to_propagation():
 
 @TYPES
 def test_logical_leaves_resolve_through_rules(axis_type):
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_type)
   rules = partition.AxisRules([("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")])
   w_np, x_np = _data()
   f = xmap(lambda w, x: jnp.tanh(x @ w),
@@ -140,7 +137,7 @@ def test_logical_leaves_resolve_through_rules(axis_type):
 
 
 def test_logical_leaves_use_the_rules_context():
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   rules = partition.AxisRules([("embed", "fsdp"), ("mlp", "tensor")])
   w_np, _ = _data()
   f = xmap(lambda w: w * 3, in_axes=Logical("embed", "mlp"), out_axes=P("tensor"), mesh=mesh)
@@ -154,7 +151,7 @@ def test_logical_leaves_use_the_rules_context():
 
 def test_positional_sharding_inside_jit_is_kept():
   """Inside an enclosing jit the inputs are tracers: xmap must not replicate them."""
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   w_np, x_np = _data()
   spec = P("fsdp", "tensor")
   grad = xmap(jax.grad(_loss), in_axes=([...], ["batch", ...]),
@@ -176,7 +173,7 @@ def test_positional_sharding_inside_jit_is_kept():
     (P(None, ("fsdp", "tensor", "data")), (8, 4, 3), r"not divisible by the 8 devices"),
 ])
 def test_stated_output_sharding_errors(out_axes, shape, match):
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   x = np.ones(shape or (8, 4, 6), np.float32)
   if match is None:
     f = xmap(lambda v: v * 2, ["batch", ...], out_axes, axis_resources={"batch": "data"},
@@ -190,7 +187,7 @@ def test_stated_output_sharding_errors(out_axes, shape, match):
 
 
 def test_stated_output_clash_with_named_dim_is_an_error():
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   f = xmap(lambda v: v, ["batch", ...], Logical("embed", named=["batch", ...]),
            axis_resources=partition.AxisRules([("batch", "data"), ("embed", "data")]),
            mesh=mesh)
@@ -200,7 +197,7 @@ def test_stated_output_clash_with_named_dim_is_an_error():
 
 
 def test_stated_input_clash_with_named_dim_is_an_error():
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   f = xmap(lambda x: x, in_axes=Logical("embed", named=["batch", ...]),
            out_axes=["batch", ...], axis_resources=partition.AxisRules(
                [("batch", "data"), ("embed", "data")]), mesh=mesh)
@@ -220,7 +217,7 @@ def test_logical_spelling_errors():
 def test_int_keyed_containers_are_not_spec_leaves():
   """NNX keeps lists of layers as {0: {...}, 1: {...}}: a container of specs, not a
   {dim: name} leaf."""
-  mesh = _mesh(AxisType.Auto)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   params = {"blocks": {0: {"w": np.ones((8, 4), np.float32)},
                        1: {"w": np.full((8, 4), 2.0, np.float32)}}}
   specs = {"blocks": {0: {"w": P("fsdp")}, 1: {"w": P(None, "tensor")}}}

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
-from partition_testlib import mesh_of
+from mesh_testlib import make_mesh
 
 import partition
 from partition import AxisRules, Mean, SerialLoop
@@ -28,7 +28,7 @@ def loss(w, x):
 @pytest.mark.parametrize("shape, names", MESHES)
 @pytest.mark.slow
 def test_rules_file_equals_inline_equals_vmap(tmp_path, shape, names, kind):
-  mesh = mesh_of(shape, names, kind)
+  mesh = make_mesh(shape, names, kind)
   rules = write(tmp_path, "rules:\n  - [batch, data]\n  - [feature, tensor]\n")
   x = jnp.arange(16 * 4.0).reshape(16, 4) / 10
   fun = lambda row: jnp.sin(row) * jax.lax.psum(row.sum(), "batch")
@@ -46,7 +46,7 @@ def test_rules_file_equals_inline_equals_vmap(tmp_path, shape, names, kind):
 
 @pytest.mark.parametrize("fmt", ["yaml", "toml", "json"])
 def test_gradient_accumulation_from_a_config_file(tmp_path, fmt):
-  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  mesh = make_mesh((8,), ("data",), AxisType.Auto)
   rules = AxisRules([("batch", ("data", SerialLoop(4))), ("batch", "data")])
   rules.to_file(tmp_path / f"mb.{fmt}")
   rules = AxisRules.from_file(tmp_path / f"mb.{fmt}")
@@ -63,7 +63,7 @@ def test_gradient_accumulation_from_a_config_file(tmp_path, fmt):
 
 
 def test_indivisible_batch_falls_back_to_the_next_rule():
-  mesh = mesh_of((8,), ("data",), AxisType.Auto)
+  mesh = make_mesh((8,), ("data",), AxisType.Auto)
   rules = AxisRules.from_dict({"rules": [["batch", ["data", {"serial_loop": 4}]],
                                          ["batch", "data"]]})
   w, xs = jnp.ones((4, 2)), jnp.arange(8 * 4.0).reshape(8, 4) / 10  # 8 % (8 * 4) != 0
@@ -78,7 +78,7 @@ def test_indivisible_batch_falls_back_to_the_next_rule():
 
 @pytest.mark.slow
 def test_two_axes_priority_and_unruled_names(tmp_path):
-  mesh = mesh_of((4, 2), ("data", "tensor"), AxisType.Auto)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   rules = write(tmp_path, """
 rules:
   - [batch, [data, tensor]]
@@ -124,7 +124,7 @@ def test_preset_microbatch_with_jit():
 
   path = pathlib.Path(__file__).resolve().parents[2] / "recipes/presets/microbatch.yaml"
   rules = AxisRules.from_file(path)
-  mesh = mesh_of((8,), ("data",), AxisType.Explicit)
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   w, xs = jnp.ones((4, 2)), jnp.arange(32 * 4.0).reshape(32, 4) / 50
   step = jax.jit(partition.xmap(jax.grad(loss), ({}, ["batch", ...]), Mean("batch"),
                                 axis_resources=rules))

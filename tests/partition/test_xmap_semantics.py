@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
+from mesh_testlib import make_mesh
 
 import partition
 from partition import Mean, SerialLoop, Sum, xmap
@@ -30,18 +31,14 @@ def _equal(a, b):
   np.testing.assert_array_equal(a, b)
 
 
-def _mesh(axis_type=AxisType.Auto):
-  return jax.make_mesh((4, 2), ("x", "y"), axis_types=(axis_type,) * 2)
-
-
 @pytest.fixture(scope="module")
 def mesh42():
-  return _mesh()
+  return make_mesh((4, 2), ("x", "y"), AxisType.Auto)
 
 
 @pytest.fixture(scope="module")
 def mesh8():
-  return jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+  return make_mesh((8,), ("x",), AxisType.Auto)
 
 
 def _ints(*shape):
@@ -251,9 +248,9 @@ def test_collective_matches_vmap(name, res):
   fun = COLLECTIVES[name]
   x = _floats(N, N, 2) if name not in ("all_gather", "all_gather_tiled") else _floats(N, 2)
   expected = jax.vmap(fun, axis_name="i")(x)
-  mesh = jax.make_mesh((4, 2), ("x", "y"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((4, 2), ("x", "y"), AxisType.Auto)
   if res == "mesh":
-    mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Auto,))
+    mesh = make_mesh((8,), ("x",), AxisType.Auto)
   f = xmap(fun, (["i", ...],), ["i", ...], axis_resources=COLLECTIVE_RESOURCES[res], mesh=mesh)
   out = f(x)
   assert out.shape == expected.shape
@@ -616,7 +613,7 @@ RESOURCE_VARIANTS = {
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 @pytest.mark.parametrize("variant", sorted(RESOURCE_VARIANTS))
 def test_results_unchanged_across_resources(variant, axis_type):
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
   w, x = _floats(4, 3), _floats(16, 3, seed=1)
   res = RESOURCE_VARIANTS[variant]
   fun = named_program
@@ -639,7 +636,7 @@ def test_results_unchanged_across_resources(variant, axis_type):
 
 @pytest.mark.parametrize("variant", ["none", "x", "loop", "x_loop", "x_and_y"])
 def test_sum_results_unchanged_across_resources_explicit(variant):
-  mesh = _mesh(AxisType.Explicit)
+  mesh = make_mesh((4, 2), ("x", "y"), AxisType.Explicit)
   x = _floats(16, 4, seed=3)
   with jax.set_mesh(mesh), partition.serial_loop("l", 2):
     res = dict(RESOURCE_VARIANTS[variant])
@@ -665,9 +662,9 @@ def test_committed_input_sharded_on_other_axis(mesh42):
 
 
 def test_committed_input_sharded_on_other_mesh():
-  other = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Auto,) * 2)
+  other = make_mesh((2, 4), ("a", "b"), AxisType.Auto)
   x = jax.device_put(_floats(8, 4), NamedSharding(other, PartitionSpec("b", "a")))
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("x", "y"), AxisType.Auto)
   f = xmap(lambda v: v + 1, (["i", ...],), ["i", ...], axis_resources={"i": ("x", "y")},
            mesh=mesh)
   _close(f(x), np.asarray(x) + 1)
@@ -685,7 +682,7 @@ def test_committed_input_with_loop_resources(mesh42):
 
 @pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit], ids=["auto", "explicit"])
 def test_set_mesh_context_instead_of_mesh_argument(axis_type):
-  mesh = _mesh(axis_type)
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
   x = _floats(8, 3)
   f = xmap(lambda v: lax.psum(v, "i"), (["i", ...],), ["i", ...], axis_resources={"i": "x"})
   with jax.set_mesh(mesh):
@@ -694,7 +691,7 @@ def test_set_mesh_context_instead_of_mesh_argument(axis_type):
 
 
 def test_set_mesh_context_inside_jit():
-  mesh = _mesh()
+  mesh = make_mesh((4, 2), ("x", "y"), AxisType.Auto)
   x = _floats(8, 3)
   f = xmap(lambda v: v * 2, (["i", ...],), ["i", ...], axis_resources={"i": ("x", "y")})
   with jax.set_mesh(mesh):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import partition
 from partition import xmap
@@ -50,7 +51,7 @@ def _transforms(f, g):
 @pytest.mark.parametrize("transform", ["value_and_grad", "vjp", "jvp", "vmap",
                                        "linear_transpose", "checkpoint"])
 def test_transformation_matrix(transform, axis_type, form, jitted):
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  mesh = make_mesh((4, 2), ("data", "model"), axis_type)
   explicit_eager = axis_type == AxisType.Explicit and form == "mesh=" and not jitted
   if explicit_eager and transform in ("value_and_grad", "checkpoint", "linear_transpose"):
     # These apply eager jnp ops (sum, the cotangent's construction) to Explicit-typed
@@ -74,7 +75,7 @@ def test_transformation_matrix(transform, axis_type, form, jitted):
 def test_plain_jax_needs_set_mesh_for_eager_explicit_ops():
   """Pins the JAX rule the skips above rely on: eager grad over an Explicit-sharded jit
   output without jax.set_mesh fails in plain JAX too. If JAX lifts it, drop the skips."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
   sharded = jax.jit(lambda v: jax.sharding.reshard(
       jnp.sin(v), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))))
   with pytest.raises(ValueError, match="Length of device assignment"):
@@ -90,7 +91,7 @@ def test_fresh_xmap_objects_share_compiled_programs():
     traces.append(1)
     return v * 2
 
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   for _ in range(4):  # a fresh xmap per step, as in a training loop
     f = xmap(body, ["b", ...], ["b", ...], axis_resources={"b": "data"}, mesh=mesh)
     np.testing.assert_allclose(f(X), X * 2)
@@ -102,7 +103,7 @@ def test_fresh_xmap_objects_share_compiled_programs():
 
 def test_value_and_grad_of_xmap_outside_jit_under_set_mesh():
   """The README pattern: grad of an xmapped loss, eagerly, under jax.set_mesh (Auto)."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Auto)
   loss = xmap(lambda w, x: jnp.tanh(x @ w).sum(), ([...], ["batch", ...]),
               partition.Sum("batch"), axis_resources={"batch": "data"})
   w = np.ones((4, 3), np.float32) / 4
@@ -152,7 +153,7 @@ def test_transformation_matrix_with_concrete_arguments(transform, how, axis_type
   """Mixes of traced and concrete arguments: the differentiated weight is traced, the
   batch is a concrete jax.Array, closed over or passed and not differentiated (issue 19: eager
   grad under jax.set_mesh raised JAX's "Memory kinds passed to jax.jit")."""
-  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(axis_type,) * 2)
+  mesh = make_mesh((4, 2), ("data", "model"), axis_type)
   if axis_type == AxisType.Explicit and form == "mesh=" and not jitted and transform in (
       "value_and_grad", "checkpoint"):
     pytest.skip("eager ops on Explicit arrays need jax.set_mesh (JAX's rule, see "

@@ -18,6 +18,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 from recipes import checkpoint, train
 from recipes.config import load_config
@@ -91,7 +93,7 @@ def test_two_processes_train_like_one(tmp_path, child_env):
   assert "final train loss" not in stdouts[1], stdouts
   # the plot comes from process 0 only; the checkpoint was written by both processes together
   assert (tmp_path / "mp" / "loss.png").read_bytes()[:4] == b"\x89PNG"
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
   restored = []
   for out in (tmp_path / "mp", ref_dir):
     ckpt = checkpoint.Checkpointer(out / "checkpoints")
