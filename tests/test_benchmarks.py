@@ -1,7 +1,7 @@
 """The benchmark suite's quick mode: output structure, and every pair agreeing numerically.
 
 Timing ratios are not asserted (they depend on the machine); the collective-byte counting
-(``partition.collective_stats``) is tested in tests/partition/test_hlo.py.
+(``partition.collective_stats``) is tested in tests/partition/base/test_hlo.py.
 """
 
 import json

@@ -163,5 +163,5 @@ def test_import_partition_does_not_import_flax_or_haiku():
           " print(bad); assert not bad, bad")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        env={"JAX_PLATFORMS": "cpu", "PATH": ""},
-                       cwd=str(pathlib.Path(__file__).resolve().parents[2]))
+                       cwd=str(pathlib.Path(__file__).resolve().parents[3]))
   assert out.returncode == 0, out.stdout + out.stderr

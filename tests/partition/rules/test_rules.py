@@ -17,7 +17,7 @@ from partition import AxisRules, SerialLoop
 
 MESH_AXES = ("x", "y", "z", "w")
 NAMES = ("batch", "embed", "mlp", "heads", "kv", "length")
-PRESETS = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
+PRESETS = pathlib.Path(__file__).resolve().parents[3] / "recipes" / "presets"
 
 
 # -- construction ---------------------------------------------------------------------------

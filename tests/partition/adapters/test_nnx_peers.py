@@ -20,7 +20,7 @@ from mesh_testlib import make_mesh
 import partition
 import partition.nnx
 
-PRESET = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / "fsdp_tp.yaml"
+PRESET = pathlib.Path(__file__).resolve().parents[3] / "recipes" / "presets" / "fsdp_tp.yaml"
 
 
 class GuideMlp(nnx.Module):

@@ -122,7 +122,7 @@ def test_named_loop_resource_from_rules():
 def test_preset_microbatch_with_jit():
   import pathlib
 
-  path = pathlib.Path(__file__).resolve().parents[2] / "recipes/presets/microbatch.yaml"
+  path = pathlib.Path(__file__).resolve().parents[3] / "recipes/presets/microbatch.yaml"
   rules = AxisRules.from_file(path)
   mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   w, xs = jnp.ones((4, 2)), jnp.arange(32 * 4.0).reshape(32, 4) / 50

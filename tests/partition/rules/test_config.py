@@ -14,7 +14,7 @@ from mesh_testlib import make_mesh
 import partition
 from partition import AxisRules, RulesConfigError, SerialLoop
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 PRESETS = sorted((ROOT / "recipes" / "presets").glob("*.yaml"))
 
 RULES = AxisRules([("batch", ("data", "fsdp")), ("batch", ("data", SerialLoop(4))),

@@ -370,7 +370,7 @@ def test_schedule_visits_every_chunk_once_in_order(stages, repeats, microbatches
 
 def test_docs_diagrams_are_the_plans():
   import pathlib
-  text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "pipeline.md").read_text()
+  text = (pathlib.Path(__file__).resolve().parents[3] / "docs" / "pipeline.md").read_text()
   assert partition.PipelineShape("stage", 4, 1, 8, 8).diagram() in text
   assert partition.PipelineShape("stage", 4, 2, 4, 8).diagram() in text
 
@@ -397,7 +397,7 @@ def test_circular_relayout_rounds_are_partial_permutations_of_minimal_count(stag
 @pytest.mark.slow
 def test_presets_put_layers_on_stage(preset, other):
   import pathlib
-  path = (pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
+  path = (pathlib.Path(__file__).resolve().parents[3] / "recipes" / "presets"
           / f"{preset}.yaml")
   rules = partition.AxisRules.from_file(path)
   mesh = make_mesh((2, 4), (other, "stage"), AxisType.Auto)
@@ -457,7 +457,7 @@ def test_layers_linen_transformer_pipelined_equals_one_device(preset, other, mic
   model, loss, tokens, targets, want_loss, flat_want = transformer_reference(microbatches,
                                                                               repeats)
   rules = partition.AxisRules.from_file(
-      pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets" / f"{preset}.yaml")
+      pathlib.Path(__file__).resolve().parents[3] / "recipes" / "presets" / f"{preset}.yaml")
   mesh = make_mesh((2, stages), (other, "stage"), AxisType.Auto)
   with jax.set_mesh(mesh), partition.axis_rules(rules, mesh=mesh):
     placed = partition.flax.init_sharded(model, jax.random.key(0), tokens, rules=rules,

@@ -28,7 +28,7 @@ from partition._base.io import FileError, atomic_write, read_bytes
 from partition._rules.errors import RulesConfigTypeError, RulesTypeError
 from partition._rules.table import is_axes_leaf
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 RULES = AxisRules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("mlp", "tensor"),
                    ("kv", None), ("microbatch", SerialLoop(4))])
 
@@ -471,7 +471,7 @@ def test_from_dict_key_and_many_unknown_keys():
 
 # -- docs/errors.md ---------------------------------------------------------------------------
 
-ERRORS_MD = pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md"
+ERRORS_MD = pathlib.Path(__file__).resolve().parents[3] / "docs" / "errors.md"
 MINE = {"RulesError", "RulesTypeError", "RulesConfigError", "RulesConfigTypeError", "FileError",
         "NoRulesError", "ResolutionError", "MeshError"}
 
