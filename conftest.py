@@ -90,7 +90,6 @@ jax.config.update("jax_num_cpu_devices", 8)
 SLOW_FILES = frozenset({
   "tests/test_notebooks.py",
   "tests/test_benchmarks.py",
-  "tests/test_readme.py",
   "tests/recipes/test_readme_commands.py",
   "tests/partition/xmap/test_multiprocess.py",
   "tests/partition/rules/test_fuzz_rules.py",
