@@ -9,6 +9,7 @@ and every test under ``tests/`` get the same setup.
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,6 +147,62 @@ def child_env() -> dict[str, str]:
                               if not f.startswith("--xla_force_host_platform_device_count"))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
   return env
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Processes(list):
+  """Python processes a test started together (``start_processes``), in process-id order."""
+
+  def wait(self, timeout_s: float, what: str) -> list[tuple[str, str]]:
+    """Each process's ``(stdout, stderr)`` once all have exited; the test fails, with every
+    process's output, if one exits non-zero or they are not done within ``timeout_s``."""
+    outs, logs, failed = [], [], False
+    for i, p in enumerate(self):
+      try:
+        stdout, stderr = p.communicate(timeout=timeout_s)
+      except subprocess.TimeoutExpired:
+        for q in self:
+          q.kill()
+        stdout, stderr = p.communicate()
+        failed = True
+        logs.append(f"--- process {i}: TIMEOUT after {timeout_s} s")
+      outs.append((stdout, stderr))
+      # gloo logs a line per connection; the end of stderr holds the error
+      shown = "\n".join(line for line in stderr.splitlines() if "[Gloo]" not in line)
+      logs.append(f"--- process {i} (rc={p.returncode}) stdout:\n{stdout}\n--- stderr:\n"
+                  f"{shown[-4000:]}")
+      failed |= p.returncode != 0
+    if failed:
+      pytest.fail(f"{what} failed:\n" + "\n".join(logs), pytrace=False)
+    return outs
+
+
+@pytest.fixture
+def start_processes(child_env):
+  """``start_processes(n, argv, cwd=None)`` starts ``n`` Python processes in ``child_env``,
+  process ``i`` with arguments ``argv(i, port)`` (``port``: a free loopback port for their
+  coordinator), stdout and stderr piped, and returns them as ``Processes``; any still running
+  when the test ends are killed."""
+  started = []
+
+  def start(n: int, argv, cwd=None) -> Processes:
+    port = _free_port()
+    procs = Processes(subprocess.Popen([sys.executable, *argv(i, port)], cwd=cwd, env=child_env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for i in range(n))
+    started.extend(procs)
+    return procs
+
+  yield start
+  for p in started:
+    if p.poll() is None:
+      p.kill()
+      p.communicate()
 
 
 @pytest.fixture(autouse=True)

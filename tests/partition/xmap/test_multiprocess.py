@@ -5,9 +5,6 @@ The children are separate Python processes started with ``subprocess``; this tes
 """
 
 import json
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,12 +12,6 @@ import pytest
 
 WORKER = Path(__file__).with_name("_multiprocess_worker.py")
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 def _load_worker_module():
@@ -31,26 +22,12 @@ def _load_worker_module():
   return module
 
 
-def _run_cluster(env, tmp_path, axis_type):
-  port = _free_port()
+def _run_cluster(start_processes, tmp_path, axis_type):
   outs = [tmp_path / f"out{i}.json" for i in range(2)]
-  procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), axis_type,
-                             str(outs[i])], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True) for i in range(2)]
-  logs, failed = [], False
-  for i, p in enumerate(procs):
-    try:
-      stdout, stderr = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      stdout, stderr = p.communicate()
-      failed = True
-      logs.append(f"--- process {i}: TIMEOUT after {TIMEOUT_S} s")
-    logs.append(f"--- process {i} (rc={p.returncode}) stdout:\n{stdout}\n--- stderr:\n{stderr}")
-    failed |= p.returncode != 0
-  if failed or not all(o.exists() for o in outs):
-    pytest.fail("multi-process xmap run failed:\n" + "\n".join(logs), pytrace=False)
+  procs = start_processes(2, lambda i, port: [str(WORKER), str(i), str(port), axis_type,
+                                              str(outs[i])])
+  procs.wait(TIMEOUT_S, "multi-process xmap run")
+  assert all(o.exists() for o in outs), "a process exited 0 without writing its results"
   return [json.loads(o.read_text()) for o in outs]
 
 
@@ -70,8 +47,8 @@ def _assemble(results, name):
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
-def test_two_processes_match_one(tmp_path, axis_type, child_env):
-  results = _run_cluster(child_env, tmp_path, axis_type)
+def test_two_processes_match_one(tmp_path, axis_type, start_processes):
+  results = _run_cluster(start_processes, tmp_path, axis_type)
   assert sorted(r["process_id"] for r in results) == [0, 1]
   worker = _load_worker_module()
   x, w = worker.global_inputs()
