@@ -1,11 +1,26 @@
 """The root pytest conftest: 8 virtual CPU devices, compile settings for a short test run, the
-``slow``, ``bitwise`` and ``accelerator`` markers, ``child_env`` for the processes tests start
-and ``user_env`` for those that run on the real backend (``tests/accelerator``).
+``slow``, ``bitwise`` and ``accelerator`` markers, ``child_env`` and ``start_processes`` for the
+processes tests start, and ``user_env`` for those that run on the real backend
+(``tests/accelerator``). It also puts ``tests/`` on ``sys.path``: ``from mesh_testlib import
+make_mesh`` is how every test builds a mesh.
 
 It sits at the repository root so that doctests in ``partition/``, ``layers/`` and ``recipes/``
 and every test under ``tests/`` get the same setup.
-"""
 
+Compile settings, in short. The suite is compile-bound, so it compiles the way flax's example
+tests do: ``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` runs LLVM at -O0 (a third off the suite's time);
+the optimised HLO (sharding, SPMD partitioning, collectives, fusion, buffer sizes) is the one
+JAX's defaults give, only the last bits of some float results differ, and they then depend on
+how ops are grouped into programs. The few bit-for-bit claims between two differently built
+programs that -O0 breaks are marked ``bitwise`` and compile with JAX's defaults. Two more
+settings go with -O0: every compile goes to the session's compilation cache (one folder per
+session, shared by xdist workers and child processes), not only those over 1 s; and XLA's CPU
+backend uses its older LLVM fusion emitters (``--xla_cpu_use_fusion_emitters=false``, 12% less
+compile time, the same partitioned program) where the jaxlib accepts the flag. Child processes
+and notebook kernels inherit all of it (``child_env``), so they compute what the test process
+computes, bit for bit. ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...`` runs
+everything with JAX's defaults (about twice as long; the tests pass either way).
+"""
 import atexit
 import os
 import shutil
