@@ -21,6 +21,7 @@ and notebook kernels inherit all of it (``child_env``), so they compute what the
 computes, bit for bit. ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...`` runs
 everything with JAX's defaults (about twice as long; the tests pass either way).
 """
+
 import atexit
 import os
 import shutil
