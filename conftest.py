@@ -1,14 +1,31 @@
 """The root pytest conftest: 8 virtual CPU devices, compile settings for a short test run, the
-``slow``, ``bitwise`` and ``accelerator`` markers, ``child_env`` for the processes tests start
-and ``user_env`` for those that run on the real backend (``tests/accelerator``).
+``slow``, ``bitwise`` and ``accelerator`` markers, ``child_env`` and ``start_processes`` for the
+processes tests start, and ``user_env`` for those that run on the real backend
+(``tests/accelerator``). It also puts ``tests/`` on ``sys.path``: ``from mesh_testlib import
+make_mesh`` is how every test builds a mesh.
 
 It sits at the repository root so that doctests in ``partition/``, ``layers/`` and ``recipes/``
 and every test under ``tests/`` get the same setup.
+
+Compile settings, in short. The suite is compile-bound, so it compiles the way flax's example
+tests do: ``JAX_DISABLE_MOST_OPTIMIZATIONS=1`` runs LLVM at -O0 (a third off the suite's time);
+the optimised HLO (sharding, SPMD partitioning, collectives, fusion, buffer sizes) is the one
+JAX's defaults give, only the last bits of some float results differ, and they then depend on
+how ops are grouped into programs. The few bit-for-bit claims between two differently built
+programs that -O0 breaks are marked ``bitwise`` and compile with JAX's defaults. Two more
+settings go with -O0: every compile goes to the session's compilation cache (one folder per
+session, shared by xdist workers and child processes), not only those over 1 s; and XLA's CPU
+backend uses its older LLVM fusion emitters (``--xla_cpu_use_fusion_emitters=false``, 12% less
+compile time, the same partitioned program) where the jaxlib accepts the flag. Child processes
+and notebook kernels inherit all of it (``child_env``), so they compute what the test process
+computes, bit for bit. ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest ...`` runs
+everything with JAX's defaults (about twice as long; the tests pass either way).
 """
 
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -90,11 +107,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 SLOW_FILES = frozenset({
   "tests/test_notebooks.py",
   "tests/test_benchmarks.py",
-  "tests/test_readme.py",
   "tests/recipes/test_readme_commands.py",
-  "tests/partition/test_multiprocess.py",
-  "tests/partition/test_fuzz_rules.py",
-  "tests/partition/test_fuzz_xmap.py",
+  "tests/partition/xmap/test_multiprocess.py",
+  "tests/partition/rules/test_fuzz_rules.py",
+  "tests/partition/xmap/test_fuzz_xmap.py",
   "tests/recipes/test_multiprocess_train.py",
   "tests/recipes/test_export.py",
   "tests/recipes/test_explain_cli.py",
@@ -106,6 +122,8 @@ SLOW_FILES = frozenset({
   "layers/nnx.py",
 })
 _ROOT = Path(__file__).parent
+# The tests' shared helpers (tests/mesh_testlib.py: ``make_mesh``) import from every test folder.
+sys.path.insert(0, str(_ROOT / "tests"))
 
 
 # Every test in this folder runs its work in a process on the real backend (a GPU or TPU) and
@@ -145,6 +163,62 @@ def child_env() -> dict[str, str]:
                               if not f.startswith("--xla_force_host_platform_device_count"))
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH")) if p)
   return env
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Processes(list):
+  """Python processes a test started together (``start_processes``), in process-id order."""
+
+  def wait(self, timeout_s: float, what: str) -> list[tuple[str, str]]:
+    """Each process's ``(stdout, stderr)`` once all have exited; the test fails, with every
+    process's output, if one exits non-zero or they are not done within ``timeout_s``."""
+    outs, logs, failed = [], [], False
+    for i, p in enumerate(self):
+      try:
+        stdout, stderr = p.communicate(timeout=timeout_s)
+      except subprocess.TimeoutExpired:
+        for q in self:
+          q.kill()
+        stdout, stderr = p.communicate()
+        failed = True
+        logs.append(f"--- process {i}: TIMEOUT after {timeout_s} s")
+      outs.append((stdout, stderr))
+      # gloo logs a line per connection; the end of stderr holds the error
+      shown = "\n".join(line for line in stderr.splitlines() if "[Gloo]" not in line)
+      logs.append(f"--- process {i} (rc={p.returncode}) stdout:\n{stdout}\n--- stderr:\n"
+                  f"{shown[-4000:]}")
+      failed |= p.returncode != 0
+    if failed:
+      pytest.fail(f"{what} failed:\n" + "\n".join(logs), pytrace=False)
+    return outs
+
+
+@pytest.fixture
+def start_processes(child_env):
+  """``start_processes(n, argv, cwd=None)`` starts ``n`` Python processes in ``child_env``,
+  process ``i`` with arguments ``argv(i, port)`` (``port``: a free loopback port for their
+  coordinator), stdout and stderr piped, and returns them as ``Processes``; any still running
+  when the test ends are killed."""
+  started = []
+
+  def start(n: int, argv, cwd=None) -> Processes:
+    port = _free_port()
+    procs = Processes(subprocess.Popen([sys.executable, *argv(i, port)], cwd=cwd, env=child_env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for i in range(n))
+    started.extend(procs)
+    return procs
+
+  yield start
+  for p in started:
+    if p.poll() is None:
+      p.kill()
+      p.communicate()
 
 
 @pytest.fixture(autouse=True)

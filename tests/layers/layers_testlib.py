@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import layers
 import layers.haiku
@@ -27,7 +28,7 @@ CFG = layers.TransformerConfig(vocab_size=64, embed_dim=16, mlp_dim=32, num_head
                                num_kv_heads=2, head_dim=8, num_layers=2)
 TOKENS = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
 TARGETS = jax.random.randint(jax.random.key(2), (4, 8), 0, 64)
-MESH = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
+MESH = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
 FSDP_TP = partition.AxisRules([
     ("batch", ("data", "fsdp")), ("batch", "data"), ("length", None), ("mlp", "tensor"),
     ("heads", "tensor"), ("kv_heads", "tensor"), ("vocab", "tensor"), ("embed", "fsdp"),

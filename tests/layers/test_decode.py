@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 import layers
 import layers.haiku
@@ -130,8 +132,7 @@ def test_sharded_decode_equals_one_device(preset):
   sampling = layers.Sampling(max_new_tokens=4)
   want = _decode.generate(params, cfg, prompts, sampling)
   sizes = MESHES[preset]
-  mesh = jax.make_mesh(tuple(sizes.values()), tuple(sizes),
-                       axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+  mesh = make_mesh(tuple(sizes.values()), tuple(sizes), AxisType.Auto)
   rules = preset_rules(preset)
   placed = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
   got = _decode.generate(placed, cfg, prompts, sampling, rules=rules, mesh=mesh)
@@ -140,8 +141,7 @@ def test_sharded_decode_equals_one_device(preset):
 
 def test_cache_is_created_in_its_shards_with_the_analytic_bytes():
   cfg = _config(scan_layers=True, num_kv_heads=2)
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   rules = preset_rules("fsdp_tp")
   cache = _decode.init_cache(cfg, 8, 16, rules=rules, mesh=mesh)
   P = jax.sharding.PartitionSpec
@@ -268,7 +268,7 @@ def test_bad_prompts_and_stop_tokens_are_named():
 
 def test_analytic_cache_bytes_formula():
   cfg = _config(num_layers=3)
-  mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  mesh = make_mesh((8,), ("data",), AxisType.Auto)
   got = _decode.cache_bytes_per_device(cfg, 16, 10, rules=preset_rules("data_parallel"),
                                        mesh=mesh)
   assert got == 3 * 2 * math.prod((16 // 8, 10, 2, 8)) * 4

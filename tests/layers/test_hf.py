@@ -549,18 +549,3 @@ def test_transformers_loads_to_hf_output(name, tmp_path):
   with torch.no_grad():
     logits = model(torch.from_numpy(tokens).long()).logits.numpy()
   np.testing.assert_array_equal(logits, expected)   # same weights, same program: same bits
-
-
-@pytest.mark.slow
-def test_docs_hf_python_blocks_run(monkeypatch, tmp_path, capsys):
-  """docs/hf.md: its Python snippets run as written (from the repository root)."""
-  import re
-  root = pathlib.Path(__file__).resolve().parents[2]
-  doc = (root / "docs" / "hf.md").read_text().replace("/tmp/qwen2_copy", str(tmp_path))
-  blocks = re.findall(r"```python\n(.*?)```", doc, re.S)
-  assert len(blocks) == 2
-  monkeypatch.chdir(root)
-  exec(compile("\n".join(blocks), "docs/hf.md", "exec"), {})
-  assert capsys.readouterr().out.split("\n")[:2] == [
-      "2 True True 1000000.0", "P(None, 'fsdp', 'tensor', None)"]
-  assert (tmp_path / "model.safetensors").is_file()

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from layers_testlib import config
+from mesh_testlib import make_mesh
 
 import layers.linen
 import partition
@@ -55,7 +56,7 @@ def _collectives(text):
 def _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch, pinned=False):
   """The optimized HLO of ``jit(grad(loss))``; ``pinned``: the gradients come out in the
   parameters' shardings (as an optimizer step reads them), not left to XLA."""
-  mesh = jax.make_mesh(mesh_shape, axis_names, axis_types=(AxisType.Auto,) * len(mesh_shape))
+  mesh = make_mesh(mesh_shape, axis_names, AxisType.Auto)
   rules = partition.AxisRules.from_file(PRESETS / f"{preset}.yaml")
   model = layers.linen.Transformer(cfg)
   tokens = jax.random.randint(jax.random.key(0), (batch, LENGTH), 0, cfg.vocab_size)
@@ -123,7 +124,7 @@ def test_embedding_lookup_never_gathers_the_batch(preset, mesh_shape, axis_names
 
 
 def _stats(preset, mesh_shape, axis_names, cfg, batch):
-  mesh = jax.make_mesh(mesh_shape, axis_names, axis_types=(AxisType.Auto,) * len(mesh_shape))
+  mesh = make_mesh(mesh_shape, axis_names, AxisType.Auto)
   text = _grad_step_hlo(preset, mesh_shape, axis_names, cfg, batch, pinned=True)
   return partition.collective_stats(text, mesh), text
 

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from layers_testlib import FRAMEWORKS, TOKENS, build, config
+from mesh_testlib import make_mesh
 
 import layers
 import layers.linen
@@ -86,7 +87,7 @@ def test_from_canonical_into_an_nnx_module_returns_a_module():
 
 @pytest.mark.slow
 def test_from_canonical_keeps_shardings_and_boxes():
-  mesh = jax.make_mesh((4, 2), ("fsdp", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Auto)
   rules = partition.AxisRules([("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor"),
                                ("kv_heads", "tensor"), ("vocab", "tensor")])
   m = build("linen", config(scan_layers=True))

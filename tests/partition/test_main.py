@@ -7,6 +7,8 @@ import sys
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 from partition import _selfcheck
 
@@ -29,7 +31,7 @@ def test_selfcheck_matmuls_are_highest_precision_whatever_the_default(default):
   # A GPU multiplies float32 in TF32 and a TPU in bfloat16 at JAX's default precision; the
   # self-check compares with float64 numpy at 1e-5, which only true float32 meets. The CPU
   # ignores the setting, so what is checked here is the program: every dot asks for HIGHEST.
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
   w, x = np.ones((8, 16), np.float32), np.ones((32, 16), np.float32)
   with jax.default_matmul_precision(default):
     for program in _selfcheck.programs(mesh):

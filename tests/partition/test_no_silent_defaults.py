@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+from mesh_testlib import make_mesh
 
 import partition
 import partition.flax
@@ -21,7 +22,7 @@ PRESETS = pathlib.Path(__file__).resolve().parents[2] / "recipes" / "presets"
 
 @pytest.fixture
 def mesh():
-  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+  return make_mesh((4, 2), ("data", "model"), AxisType.Auto)
 
 
 RULES = partition.AxisRules([("batch", "data"), ("embed", "model"), ("mlp", "model"),
@@ -55,7 +56,7 @@ def test_null_rule_replicates_silently(mesh):
 
 @pytest.mark.parametrize("typo", ["tensr", "dta"])
 def test_rule_naming_a_typo_of_a_mesh_axis_is_an_error(typo):
-  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+  mesh = make_mesh((4, 2), ("data", "tensor"), AxisType.Auto)
   rules = partition.AxisRules([("batch", typo)])
   want = "data" if typo == "dta" else "tensor"
   with pytest.raises(partition.ResolutionError) as info:
@@ -68,7 +69,7 @@ def test_rule_naming_a_typo_of_a_mesh_axis_is_an_error(typo):
 
 def test_rule_naming_an_axis_the_mesh_lacks_acts_as_size_one_as_in_flax():
   """'tensor' is no near-miss of 'data': a table shared by bigger meshes (MaxText's)."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   rules = partition.AxisRules([("mlp", "tensor"), ("batch", "data")])
   assert rules.spec(("batch", "mlp"), (8, 8), mesh) == P("data", None)
 
@@ -94,7 +95,7 @@ def test_one_warning_per_cause_in_a_tree(mesh):
 
 def test_rules_without_a_mesh_warn_that_constrain_does_nothing():
   """The legacy `with mesh:` context sets no mesh JAX's public API can read."""
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", DeprecationWarning)
     with mesh, partition.axis_rules([("batch", "data")]):
@@ -129,7 +130,7 @@ class _Mlp(nn.Module):
 
 
 def test_init_sharded_indivisible_dim_warns_whatever_the_size():
-  mesh = jax.make_mesh((2, 4), ("data", "model"))
+  mesh = make_mesh((2, 4), ("data", "model"), AxisType.Explicit)
   rules = partition.AxisRules([("embed", "data"), ("mlp", "model")])
   variables, found = caught(lambda: partition.flax.init_sharded(
       _Mlp(), jax.random.key(0), jnp.ones((2, 4)), rules=rules, mesh=mesh))
@@ -150,7 +151,7 @@ def test_init_sharded_unused_path_pattern_is_an_error_without_strict(mesh):
 
 
 def test_data_parallel_preset_warns_about_nothing():
-  mesh = jax.make_mesh((8,), ("data",))
+  mesh = make_mesh((8,), ("data",), AxisType.Explicit)
   rules = partition.AxisRules.from_file(PRESETS / "data_parallel.yaml")
   variables, found = caught(lambda: partition.flax.init_sharded(
       _Mlp(), jax.random.key(0), jnp.ones((8, 4)), rules=rules, mesh=mesh))
@@ -162,7 +163,7 @@ def test_errors_md_shows_the_partition_warning_as_emitted():
   text = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "errors.md").read_text()
   section = text.split("### Warning: `partition.PartitionWarning`")[1]
   shown = section.split("```text\n")[1].split("```")[0].strip()
-  mesh = jax.make_mesh((4, 2), ("data", "model"))
+  mesh = make_mesh((4, 2), ("data", "model"), AxisType.Explicit)
   rules = partition.AxisRules([("batch", "data"), ("embed", "model"), ("mlp", "model")])
   with partition.axis_rules(rules, mesh):
     _, found = caught(lambda: partition.constrain(jnp.ones((8, 3)), ("batch", "mpl")))

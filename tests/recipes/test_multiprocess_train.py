@@ -10,14 +10,13 @@ reference with ``train.train`` while they work, then reads what they wrote.
 import json
 import os
 import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AxisType
+from mesh_testlib import make_mesh
 
 from recipes import checkpoint, train
 from recipes.config import load_config
@@ -30,56 +29,27 @@ TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_s
         "preset=fsdp_tp", "mesh={data: 2, fsdp: 2, tensor: 2}", "microbatches=2"]
 
 
-def _free_port() -> int:
-  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _start_cluster(env: dict[str, str], out_dir: Path, *extra: str) -> list[subprocess.Popen]:
+def _start_cluster(start_processes, out_dir: Path, *extra: str):
   flags = TINY + list(extra) + [f"out_dir={out_dir}", "plot=true",
-                  f"distributed.coordinator=127.0.0.1:{_free_port()}",
-                  "distributed.num_processes=2", "distributed.local_devices=4"]
-  return [subprocess.Popen([sys.executable, "-m", "recipes.train", *flags,
-                            f"distributed.process_id={i}"], cwd=REPO, env=env,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-          for i in range(2)]
-
-
-def _wait(procs: list[subprocess.Popen]) -> list[str]:
-  logs, stdouts, failed = [], [], False
-  for i, p in enumerate(procs):
-    try:
-      stdout, stderr = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      stdout, stderr = p.communicate()
-      failed = True
-      logs.append(f"--- process {i}: TIMEOUT after {TIMEOUT_S} s")
-    stderr = "\n".join(line for line in stderr.splitlines() if "[Gloo]" not in line)
-    logs.append(f"--- process {i} (rc={p.returncode}) stdout:\n{stdout}\n--- stderr:\n"
-                f"{stderr[-4000:]}")
-    failed |= p.returncode != 0
-    stdouts.append(stdout)
-  if failed:
-    pytest.fail("multi-process training failed:\n" + "\n".join(logs), pytrace=False)
-  return stdouts
+                                "distributed.num_processes=2", "distributed.local_devices=4"]
+  return start_processes(2, lambda i, port: [
+      "-m", "recipes.train", *flags, f"distributed.coordinator=127.0.0.1:{port}",
+      f"distributed.process_id={i}"], cwd=REPO)
 
 
 def _records(out_dir: Path) -> list[dict]:
   return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_like_one(tmp_path, child_env):
-  procs = _start_cluster(child_env, tmp_path / "mp")
+def test_two_processes_train_like_one(tmp_path, start_processes):
+  procs = _start_cluster(start_processes, tmp_path / "mp")
   try:
     ref_dir = tmp_path / "ref"
     train.train(load_config(train.default_config_path(),
                             TINY + [f"out_dir={ref_dir}", "plot=false"]),
                 progress=False, out=open(os.devnull, "w"))
   finally:
-    stdouts = _wait(procs)
+    stdouts = [out for out, _ in procs.wait(TIMEOUT_S, "multi-process training")]
   ours, ref = _records(tmp_path / "mp"), _records(ref_dir)
   assert [r["step"] for r in ours] == [1, 2, 3]
   np.testing.assert_allclose([r["loss"] for r in ours], [r["loss"] for r in ref], rtol=1e-5)
@@ -91,7 +61,7 @@ def test_two_processes_train_like_one(tmp_path, child_env):
   assert "final train loss" not in stdouts[1], stdouts
   # the plot comes from process 0 only; the checkpoint was written by both processes together
   assert (tmp_path / "mp" / "loss.png").read_bytes()[:4] == b"\x89PNG"
-  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Explicit)
   restored = []
   for out in (tmp_path / "mp", ref_dir):
     ckpt = checkpoint.Checkpointer(out / "checkpoints")
@@ -102,20 +72,16 @@ def test_two_processes_train_like_one(tmp_path, child_env):
                                                        rtol=1e-5, atol=1e-7), *restored)
 
 
-def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, child_env):
+def test_sigterm_to_one_process_stops_both_after_the_same_step(tmp_path, start_processes):
   """A scheduler signals one host: both processes stop after the same step (they agree after
   every step), write that step's checkpoint together and exit 0."""
-  procs = _start_cluster(child_env, tmp_path / "mp", "steps=60", "eval_every=60", "log_every=1")
-  try:
-    for line in procs[0].stderr:  # process 0 logs a line per step (stderr is a pipe)
-      if line.startswith("step 3/"):
-        procs[1].send_signal(signal.SIGTERM)
-        break
-    outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
-  assert [p.returncode for p in procs] == [0, 0], [o[1][-3000:] for o in outs]
+  procs = _start_cluster(start_processes, tmp_path / "mp", "steps=60", "eval_every=60",
+                         "log_every=1")
+  for line in procs[0].stderr:  # process 0 logs a line per step (stderr is a pipe)
+    if line.startswith("step 3/"):
+      procs[1].send_signal(signal.SIGTERM)
+      break
+  outs = procs.wait(TIMEOUT_S, "SIGTERM to one of two training processes")  # both exit 0
   ckpt = checkpoint.Checkpointer(tmp_path / "mp" / "checkpoints")
   step = ckpt.latest_step()
   ckpt.close()

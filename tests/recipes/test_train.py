@@ -12,7 +12,9 @@ import jax
 import numpy as np
 import pytest
 import yaml
+from jax.sharding import AxisType
 from job_testlib import TINY, losses
+from mesh_testlib import make_mesh
 
 import partition
 from recipes import checkpoint, data, train
@@ -211,7 +213,7 @@ def test_mesh_auto_is_the_presets_axes_with_every_device_on_the_batch_axis():
 def test_per_device_bytes_are_counted_on_the_meshs_devices():
   # A mesh that leaves out jax.local_devices()[0] (as the CPU mesh of a run on a GPU machine
   # leaves out the GPU): the count is one of its devices' shards, not that device's zero.
-  mesh = jax.make_mesh((2, 2), ("data", "fsdp"), devices=jax.devices()[4:])
+  mesh = make_mesh((2, 2), ("data", "fsdp"), AxisType.Explicit, devices=jax.devices()[4:])
   x = jax.device_put(np.zeros((8, 6), np.float32),
                      jax.sharding.NamedSharding(mesh, jax.P("fsdp")))
   assert train.device_bytes({"x": x}, mesh) == 8 * 6 * 4 // 2
@@ -332,7 +334,7 @@ def test_resumed_data_is_the_uninterrupted_data():
 
 def _shardings():
   from jax.sharding import NamedSharding, PartitionSpec
-  mesh = jax.make_mesh((2, 4), ("data", "sequence"))
+  mesh = make_mesh((2, 4), ("data", "sequence"), AxisType.Explicit)
   return {k: NamedSharding(mesh, PartitionSpec("data", "sequence"))
           for k in ("inputs", "targets", "mask")}
 
@@ -381,7 +383,7 @@ def test_resume_checks_the_model_and_reshards(tmp_path):
   assert summary["resumed_from"] == 2 and summary["eval_loss"] is not None
   # a step that already has a checkpoint is written again, not an orbax error
   ckpt = checkpoint.Checkpointer(first / "checkpoints")
-  state = ckpt.restore_on(3, jax.make_mesh((8,), ("data",)))[0]
+  state = ckpt.restore_on(3, make_mesh((8,), ("data",), AxisType.Explicit))[0]
   ckpt.save(3, state, None, {"note": "again"})
   ckpt.wait()
   assert ckpt.all_steps() == [2, 3] and ckpt.meta(3)["note"] == "again"
@@ -421,9 +423,10 @@ def test_restore_on_other_meshes_is_bit_identical(tmp_path):
   out = _run(tmp_path, "src", "steps=2", "microbatches=1")
   ckpt = checkpoint.Checkpointer(out / "checkpoints")
   devices = jax.devices()
-  meshes = [jax.make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), devices=devices),
-            jax.make_mesh((1, 2, 2), ("data", "fsdp", "tensor"), devices=devices[:4]),
-            jax.make_mesh((1, 1, 1), ("data", "fsdp", "tensor"), devices=devices[:1])]
+  names = ("data", "fsdp", "tensor")
+  meshes = [make_mesh((2, 2, 2), names, AxisType.Explicit, devices=devices),
+            make_mesh((1, 2, 2), names, AxisType.Explicit, devices=devices[:4]),
+            make_mesh((1, 1, 1), names, AxisType.Explicit, devices=devices[:1])]
   restored = [ckpt.restore_on(None, mesh)[0] for mesh in meshes]
   ckpt.close()
   reference = jax.tree.map(np.asarray, restored[0])
