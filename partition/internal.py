@@ -6,6 +6,7 @@ spec entries. Not part of the user-facing API: no deprecation period when they c
 from partition._base.deprecations import deprecated_getattr as deprecated_getattr
 from partition._base.errors import did_you_mean as did_you_mean
 from partition._base.errors import format_message as format_message
+from partition._base.extras import MissingExtraError as MissingExtraError
 from partition._base.extras import needs_extra as needs_extra
 from partition._base.io import atomic_write as atomic_write
 from partition._base.logical_axes import path_str as path_str
