@@ -246,6 +246,7 @@ def test_transformer_blockwise_equals_xla_with_padding_and_packing(framework):
     _close(a, b, atol=1e-5)
 
 
+@pytest.mark.slow  # a decode loop / several models: runs in the full suite
 def test_packed_rows_equal_separate_rows():
   """Packing is exact: two sequences packed in one row give each one's logits alone."""
   m = build("linen", config(attention="blockwise", attention_block=4))

@@ -94,6 +94,7 @@ def _greedy_reference(params, cfg, prompt, n):
   return seq[len(prompt):]
 
 
+@pytest.mark.slow  # a decode loop / several models: runs in the full suite
 @pytest.mark.parametrize("scan", [False, True])
 def test_padded_batch_rows_equal_rows_alone_and_greedy_reference(scan):
   cfg = _config(scan_layers=scan)
@@ -300,6 +301,7 @@ HF_MODELS = {
 }
 
 
+@pytest.mark.slow  # a decode loop / several models: runs in the full suite
 @pytest.mark.parametrize("name", sorted(HF_MODELS))
 def test_greedy_equals_transformers_generate(name, tmp_path):
   torch = pytest.importorskip("torch")

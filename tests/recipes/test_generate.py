@@ -62,6 +62,7 @@ def hf_dir(tmp_path_factory):
   return path
 
 
+@pytest.mark.slow  # a decode loop / several models: runs in the full suite
 def test_hf_directory_text_prompts_equal_greedy_reference(hf_dir, capsys):
   rc, out, err = run_cli(capsys, ["init_from=" + str(hf_dir), "--prompt", "w7 w20 w3",
                                   "--prompt", "w50", "--max-new-tokens", "5"])
