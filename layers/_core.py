@@ -121,6 +121,16 @@ def _mesh_axes(spec: Any) -> set[str]:
   return {axis for entry in spec for axis in entry_mesh_axes(entry)}
 
 
+def batch_mesh_axes(batch_size: int) -> tuple[str, ...] | None:
+  """The mesh axes the ``batch`` dim is sharded over under the current rules and mesh, in
+  the rules' order (``()`` if none); ``None`` without rules or mesh."""
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  if rules is None or mesh is None:
+    return None
+  spec = rules.spec(("batch",), (batch_size,), mesh)
+  return tuple(entry_mesh_axes(spec[0])) if len(spec) else ()
+
+
 def lookup_table(table: Array, batch_size: int) -> Array:
   """``table (vocab, embed)`` constrained to the sharding an embedding lookup reads it in.
 
@@ -135,7 +145,7 @@ def lookup_table(table: Array, batch_size: int) -> Array:
   if rules is None or mesh is None:
     return table
   vocab = _mesh_axes(rules.spec(("vocab",), table.shape[:1], mesh))
-  batch = _mesh_axes(rules.spec(("batch",), (batch_size,), mesh))
+  batch = set(batch_mesh_axes(batch_size))
   return partition.constrain(table, (None if vocab & batch else "vocab", None))
 
 
@@ -156,11 +166,11 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
   rules, mesh = partition.current_rules(), partition.current_rules_mesh()
   if rules is None or mesh is None:
     return weights
-  batch = _mesh_axes(rules.spec(("batch",), (batch_size,), mesh))
+  batch = set(batch_mesh_axes(batch_size))
 
   def one(w, names):
     spec = rules.spec(tuple(names), w.shape, mesh)
-    kept = [entry if name == "expert" else _drop(entry, batch)  # experts stay put
+    kept = [entry if name == "expert" else drop_axes(entry, batch)  # experts stay put
             for name, entry in zip(names, spec)]
     if kept == list(spec):
       return w
@@ -169,7 +179,8 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
   return jax.tree.map(one, weights, axes, is_leaf=lambda a: isinstance(a, tuple))
 
 
-def _drop(entry: Any, axes: set[str]) -> Any:
+def drop_axes(entry: Any, axes: set[str]) -> Any:
+  """A ``PartitionSpec`` entry less the mesh ``axes``."""
   return to_spec_entry(a for a in entry_mesh_axes(entry) if a not in axes)
 
 

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 import partition
 from layers import _core
-from partition.internal import entry_mesh_axes, to_spec_entry
+from partition.internal import to_spec_entry
 
 Array = jax.Array
 
@@ -186,17 +186,15 @@ def _partial_sum_layout(batch: int, w: Array, tied: bool) -> tuple[int, Any]:
   without them, or when they do not divide ``batch``), and the ``PartitionSpec`` of the
   ``(s, *w.shape)`` accumulator: its leading dim over the batch's mesh axes, the weight's
   dims as the rules place them less those axes (``None`` when ``s == 1``)."""
-  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
-  if rules is None or mesh is None:
+  axes = _core.batch_mesh_axes(batch)
+  if not axes:
     return 1, None
-  spec = rules.spec(("batch",), (batch,), mesh)
-  axes = tuple(entry_mesh_axes(spec[0])) if len(spec) else ()
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
   shards = math.prod(mesh.shape[a] for a in axes)
   if shards == 1 or batch % shards:
     return 1, None
   names = ("vocab", "embed") if tied else ("embed", "vocab")
-  kept = [to_spec_entry(a for a in entry_mesh_axes(e) if a not in axes)
-          for e in rules.spec(names, w.shape, mesh)]
+  kept = [_core.drop_axes(e, set(axes)) for e in rules.spec(names, w.shape, mesh)]
   return shards, P(to_spec_entry(axes), *kept)
 
 

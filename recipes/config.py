@@ -420,17 +420,6 @@ def serial_loops(rules) -> tuple[int, ...]:
   return (loop.length,) if loop else ()
 
 
-def without_serial_loops(rules):
-  """``rules`` without the serial loops of its ``batch`` rules (an explicit ``microbatches``
-  replaces a preset's loop)."""
-  return rules.without_serial_loops(BATCH_AXIS)
-
-
-def mesh_axes_of(rules) -> list[str]:
-  """The mesh axes ``rules`` shard over, in the order they first appear."""
-  return list(rules.mesh_axes)
-
-
 def example_mesh(preset: str, axes: Sequence[str]) -> str:
   """A mesh for ``preset`` as a command-line value: the README's for a built-in preset, else
   one with every axis of ``axes`` (the first fills the devices)."""

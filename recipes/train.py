@@ -49,14 +49,13 @@ from recipes import checkpoint as ckpt_lib  # noqa: E402
 from recipes import data, distributed, init_from, report, rundir  # noqa: E402
 from recipes import model as model_lib  # noqa: E402
 from recipes.config import (  # noqa: E402
-    TrainConfig,
-    TrainConfigError,
-    example_mesh,
-    load_config,
-    mesh_axes_of,
-    preset_rules,
-    serial_loops,
-    without_serial_loops,
+  BATCH_AXIS,
+  TrainConfig,
+  TrainConfigError,
+  example_mesh,
+  load_config,
+  preset_rules,
+  serial_loops,
 )
 
 
@@ -161,7 +160,7 @@ def make_rules(config: TrainConfig):
   such presets unless the user set it)."""
   rules = preset_rules(config.preset)
   if config.microbatches is not None and serial_loops(rules):
-    rules = without_serial_loops(rules)
+    rules = rules.without_serial_loops(BATCH_AXIS)
   return rules.override(*config.rules) if config.rules else rules
 
 
@@ -179,7 +178,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
     TrainConfigError: naming the key and the fix.
   """
   problems = []
-  wanted = mesh_axes_of(rules)
+  wanted = list(rules.mesh_axes)
   missing = [a for a in wanted if a not in mesh.shape]
   if missing:
     have = "{" + ", ".join(f"{k}: {v}" for k, v in config.mesh.items()) + "}"

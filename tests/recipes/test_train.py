@@ -203,7 +203,7 @@ def test_partition_errors_exit_2(tmp_path, capsys):
 def test_mesh_auto_is_the_presets_axes_with_every_device_on_the_batch_axis():
   for preset, fill in [("fsdp_tp", "data"), ("fsdp_pp", "fsdp"), ("pipeline_parallel", "data")]:
     mesh = load_config(overrides=[f"preset={preset}", "mesh=auto"]).mesh
-    axes = config_lib.mesh_axes_of(config_lib.preset_rules(preset))
+    axes = list(config_lib.preset_rules(preset).mesh_axes)
     assert set(mesh) == set(axes) and mesh[fill] == -1  # first entry of 'batch' fills
     assert all(v == 1 for k, v in mesh.items() if k != fill)
   with pytest.raises(TrainConfigError, match=r"mesh='autp': expected a mapping .* or auto"):
