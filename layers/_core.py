@@ -131,6 +131,17 @@ def batch_mesh_axes(batch_size: int) -> tuple[str, ...] | None:
   return tuple(entry_mesh_axes(spec[0])) if len(spec) else ()
 
 
+def token_mesh_axes(batch_size: int, length: int) -> tuple[str, ...]:
+  """The mesh axes a ``(batch, length)`` grid of tokens is sharded over under the current
+  rules and mesh (``batch``'s, then ``length``'s): the axes a sum over the tokens is reduced
+  over. ``()`` without rules or mesh, or when neither dim is sharded."""
+  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
+  if rules is None or mesh is None:
+    return ()
+  spec = rules.spec(("batch", "length"), (batch_size, length), mesh)
+  return tuple(a for e in spec for a in entry_mesh_axes(e))
+
+
 def lookup_table(table: Array, batch_size: int) -> Array:
   """``table (vocab, embed)`` constrained to the sharding an embedding lookup reads it in.
 

@@ -176,13 +176,17 @@ def _body(p: Params, x: Array, config: TransformerConfig, tokens: Array,
 
 def _tied_lm(config: TransformerConfig):
   """``(table, rest, tokens, valid, segment_ids) -> (logits, aux)`` with the tied table's
-  gradient as ONE dot.
+  gradient reduced across devices once.
 
-  Plain autodiff gives the table two gradient terms, ``onehot(tokens)^T dx0`` (lookup) and
-  ``dlogits^T h`` (output projection): two dots over the batch, each reduced over the batch's
-  mesh axes by itself (two ``(vocab, embed)`` all-reduces / reduce-scatters). Here the
+  The table has two gradient terms, ``onehot(tokens)^T dx0`` (lookup) and ``dlogits^T h``
+  (output projection). Where the tokens are sharded over mesh axes, plain autodiff reduces
+  each over them by itself (two ``(vocab, embed)`` all-reduces / reduce-scatters); there the
   backward pass stacks both terms' operands on a new leading dim and contracts them in one
-  ``einsum``, so XLA reduces the table's gradient once. Same values up to float32 rounding.
+  ``einsum``, so XLA reduces the table's gradient once. That costs a dot with the one-hot
+  ``(batch, length, vocab)`` array (``2 B L V E`` FLOPs, as much as the projection's
+  forward). Where no reduction exists (one device, or tokens not sharded) the lookup's term
+  is the scatter-add it is (what ``jnp.take``'s transpose does), added in fp32 onto the
+  projection's fp32 gradient. Same values up to float32 rounding.
   """
   def forward(table, rest, tokens, valid, segment_ids, differentiated=True):
     # One gathered copy of an FSDP-sharded table serves the lookup, the output projection
@@ -203,11 +207,17 @@ def _tied_lm(config: TransformerConfig):
     dh = partition.constrain(jnp.einsum("blv,ve->ble", dlogits, table.astype(dtype)),
                              _core.EMBED)
     drest, dx0 = body_vjp((dh.astype(h.dtype), daux))
-    onehot = partition.constrain(jax.nn.one_hot(tokens, table.shape[0], dtype=dtype),
-                                 _core.LOGITS)
-    dtable = jnp.einsum("sblv,sble->ve", _core.token_major(jnp.stack([onehot, dlogits]), dim=1),
-                        _core.token_major(jnp.stack([dx0.astype(dtype), h.astype(dtype)]),
-                                          dim=1))
+    if _core.token_mesh_axes(*tokens.shape):
+      onehot = partition.constrain(jax.nn.one_hot(tokens, table.shape[0], dtype=dtype),
+                                   _core.LOGITS)
+      dtable = jnp.einsum("sblv,sble->ve",
+                          _core.token_major(jnp.stack([onehot, dlogits]), dim=1),
+                          _core.token_major(jnp.stack([dx0.astype(dtype), h.astype(dtype)]),
+                                            dim=1))
+    else:
+      dtable = jnp.einsum("blv,ble->ve", dlogits, h.astype(dtype),
+                          preferred_element_type=jnp.float32)
+      dtable = dtable.at[tokens].add(dx0.astype(jnp.float32))
     return dtable.astype(table.dtype), drest, None, None, None
 
   lm = jax.custom_vjp(lambda table, rest, tokens, valid, segment_ids: forward(
