@@ -11,7 +11,8 @@ GPUs), both bf16 compute with fp32 params and AdamW, on one device:
   compiled step, each over the device's peak bf16 FLOP/s (``None`` where the peak is unknown,
   e.g. on CPU);
 * the ``k = 4`` micro-batch overhead (``partition.value_and_grad(microbatches=4)`` over ``k=1``);
-* batch 1 at long sequences (8192 and 32768 tokens on an accelerator);
+* batch 1 at long sequences (8192 and 32768 tokens on an accelerator; a length beyond the
+  main rows' tokens per step with ``remat='full'``, see :func:`long_context_remat`);
 * the attention kernel's compiled temp memory over the length (``'xla'`` against
   ``'blockwise'``, and the fused kernel where there is one): the memory curve; and the
   blockwise path's causal over non-causal FLOPs at 8 blocks (it skips the fully masked
@@ -79,6 +80,14 @@ def size_for(device: Any) -> Size:
                 (1024, 2048, 4096, 8192, 16384), 10)
   return Size("1.07B widths, 4 layers", layers.TransformerConfig(**{**big, "num_layers": 4}),
               2, 2048, (8192,), (1024, 2048, 4096, 8192), 10)
+
+
+def long_context_remat(cfg: layers.TransformerConfig, length: int, main_tokens: int) -> str:
+  """The model's own remat up to the main rows' tokens per step (same activation memory),
+  ``'full'`` beyond: with a fused kernel activations grow linearly in the tokens, and 4x the
+  main rows' (27.6 GB at 8192 tokens on the H200, with cuDNN) no longer fits in JAX's
+  default 75 % of the GPU's memory. MFU counts no recompute (PaLM's definition)."""
+  return cfg.remat if length <= main_tokens else "full"
 
 
 def peak_flops(device: Any) -> float | None:
@@ -286,12 +295,13 @@ def run(size: Size | None = None, out: pathlib.Path | None = OUT) -> dict[str, A
                       per_token))
   log(str(rows[-1]))
   for length in size.long:
-    lcfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, length))
+    lcfg = dataclasses.replace(cfg, max_len=max(cfg.max_len, length),
+                               remat=long_context_remat(cfg, length, size.batch * size.length))
     ltokens = jax.random.randint(jax.random.key(2), (1, length), 0, cfg.vocab_size)
     lparams, lgrad = _ours(lcfg, 1, length)
     lchoice = layers.attention_choice(lcfg, batch=1, length=length)
-    rows.append(measure(f"ours 1x{length} ({lchoice.implementation})", lparams, lgrad,
-                        ltokens, max(2, size.steps // 2), peak,
+    rows.append(measure(f"ours 1x{length} ({lchoice.implementation}, remat {lcfg.remat})",
+                        lparams, lgrad, ltokens, max(2, size.steps // 2), peak,
                         palm_flops_per_token(lcfg, n, length)))
     log(str(rows[-1]))
   impls = ["xla", "blockwise"] + ([fused] if fused else [])
