@@ -232,7 +232,7 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
                 ) -> tuple[Any, dict[str, Array]]:
   """Decoder-only LM on a parameter tree (``layers._params.transformer_params``).
 
-  With ``config.tie_embeddings`` the table's gradient is formed as one dot (see
+  With ``config.tie_embeddings`` the table's gradient is reduced across devices once (see
   ``_tied_lm``; reverse-mode only: ``jax.jvp`` of a tied model is not supported), except
   with ``targets`` and ``config.loss_chunk > 0`` (see :func:`_chunked_loss`).
 
