@@ -93,14 +93,12 @@ def token_major(x: Array, *, dim: int = 0, undo: tuple[int, int] | None = None) 
   instead of ``2 S (bq-1)/(bq)``). :func:`dense` computes in this layout, so its weight
   gradient is reduced once.
   """
-  rules, mesh = partition.current_rules(), partition.current_rules_mesh()
-  if rules is None or mesh is None:
-    return x
   b, length = undo if undo is not None else x.shape[dim:dim + 2]
-  spec = rules.spec(("batch", "length"), (b, length), mesh)
-  batch, seq = (entry_mesh_axes(e) for e in (*spec, None, None)[:2])
-  q = math.prod(mesh.shape[a] for a in seq)
-  if not batch or not seq or length % q:
+  batch, seq = token_mesh_axes(b, length)
+  if not batch or not seq:
+    return x
+  q = math.prod(partition.current_rules_mesh().shape[a] for a in seq)
+  if length % q:
     return x
   lead, rest = x.shape[:dim], x.shape[dim + 2:]
   free = (jax.sharding.PartitionSpec.UNCONSTRAINED,) * len(rest)
@@ -131,15 +129,16 @@ def batch_mesh_axes(batch_size: int) -> tuple[str, ...] | None:
   return tuple(entry_mesh_axes(spec[0])) if len(spec) else ()
 
 
-def token_mesh_axes(batch_size: int, length: int) -> tuple[str, ...]:
-  """The mesh axes a ``(batch, length)`` grid of tokens is sharded over under the current
-  rules and mesh (``batch``'s, then ``length``'s): the axes a sum over the tokens is reduced
-  over. ``()`` without rules or mesh, or when neither dim is sharded."""
+def token_mesh_axes(batch_size: int, length: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+  """``(batch's, length's)`` mesh axes of a ``(batch, length)`` grid of tokens under the
+  current rules and mesh: together, the axes a sum over the tokens is reduced over.
+  ``((), ())`` without rules or mesh."""
   rules, mesh = partition.current_rules(), partition.current_rules_mesh()
   if rules is None or mesh is None:
-    return ()
+    return (), ()
   spec = rules.spec(("batch", "length"), (batch_size, length), mesh)
-  return tuple(a for e in spec for a in entry_mesh_axes(e))
+  batch, seq = (tuple(entry_mesh_axes(e)) for e in (*spec, None, None)[:2])
+  return batch, seq
 
 
 def lookup_table(table: Array, batch_size: int) -> Array:

@@ -207,7 +207,7 @@ def _tied_lm(config: TransformerConfig):
     dh = partition.constrain(jnp.einsum("blv,ve->ble", dlogits, table.astype(dtype)),
                              _core.EMBED)
     drest, dx0 = body_vjp((dh.astype(h.dtype), daux))
-    if _core.token_mesh_axes(*tokens.shape):
+    if any(_core.token_mesh_axes(*tokens.shape)):  # the tokens are sharded
       onehot = partition.constrain(jax.nn.one_hot(tokens, table.shape[0], dtype=dtype),
                                    _core.LOGITS)
       dtable = jnp.einsum("sblv,sble->ve",

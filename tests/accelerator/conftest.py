@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STANDIN = "ACCELERATOR_STANDIN"
 UNIT_ROUNDOFF = {"gpu": 2.0**-11, "tpu": 2.0**-8, "cpu": 2.0**-24}
 _PROBE = ("import json, jax; d = jax.devices(); print(json.dumps({'backend': "
-          "jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind}))")
+          "jax.default_backend(), 'count': len(d), 'kind': d[0].device_kind, "
+          "'jax': jax.__version__}))")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,7 @@ class Accelerator:
   backend: str              # jax.default_backend(): 'gpu', 'tpu' ('cpu' only as a stand-in)
   count: int                # jax.devices() in a fresh process
   kind: str                 # device_kind of the first device, e.g. 'NVIDIA H200'
+  jax_version: str          # jax.__version__ there
   env: dict[str, str]
 
   @property
@@ -80,7 +82,7 @@ def probe(env: dict[str, str]) -> Accelerator:
     pytest.fail(f"JAX could not start on this machine's backend (rc={proc.returncode}):\n"
                 f"{proc.stderr[-3000:]}", pytrace=False)
   found = json.loads(proc.stdout.strip().splitlines()[-1])
-  return Accelerator(found["backend"], found["count"], found["kind"], env)
+  return Accelerator(found["backend"], found["count"], found["kind"], found["jax"], env)
 
 
 @pytest.fixture(scope="session")
