@@ -117,10 +117,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
   """``recipes/configs/default.yaml``, updated by the YAML file ``path`` then by ``overrides``.
 
   ``default.yaml`` is the one source of defaults: every run starts from it, so a file given
-  with ``--config`` needs only the keys it changes. One key depends on who set it:
+  with ``--config`` needs only the keys it changes. Two keys depend on who set them:
   ``microbatches`` from ``default.yaml`` applies only to presets without their own serial
   loop on ``batch`` (``preset=microbatch`` runs its 4-step loop); set in ``path`` or an
-  override it always applies, replacing a preset's loop.
+  override it always applies, replacing a preset's loop. ``out_dir`` from ``default.yaml``
+  (``runs/default``) is, for a new run, the first of ``runs/default``, ``runs/default-2``, ...
+  that holds no run, so rerunning the job never clashes; one you set is used as given (a new
+  run refuses it if it holds a run).
 
   Args:
     path: a YAML file with any subset of the keys (nested sections for ``model``,
@@ -160,6 +163,9 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
         raw["microbatches"] = None  # the preset's own loop, not default.yaml's count
     except PartitionError:
       pass  # an unknown preset is reported when the rules are built
+  if "out_dir" not in user and not raw.get("resume") and isinstance(raw.get("out_dir"), str):
+    from recipes import rundir  # rundir's errors are this module's TrainConfigError
+    raw["out_dir"] = str(rundir.unused(pathlib.Path(raw["out_dir"])))
   config = _build(raw, problems)
   if not problems and config.init_from:
     config = _with_checkpoint_model(config, overrides, problems)

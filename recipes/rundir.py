@@ -3,7 +3,9 @@ continue a checkpoint of the same model, and a signal ends a run with a checkpoi
 
 * A fresh run (``resume=false``) into an ``out_dir`` that holds another run (its
   ``metrics.jsonl``, ``summary.json`` or a checkpoint) is refused before anything is written;
-  the message names both ways on: ``resume=true``, or a new ``out_dir=...``.
+  the message names both ways on: ``resume=true``, or a new ``out_dir=...``. Without an
+  ``out_dir`` of the user's a fresh run takes the first unused one of ``runs/default``,
+  ``runs/default-2``, ... (``recipes.config.load_config``) and says so.
 * ``resume=true`` restores the last checkpoint after checking that it was written for the
   same model (framework, ``model.*``, and the state's arrays by path and shape); preset, mesh
   and micro-batches may differ (the state is resharded on restore). It says ``resumed from
@@ -37,12 +39,27 @@ def holds_run(out_dir: pathlib.Path) -> list[str]:
   return found
 
 
+def unused(out_dir: pathlib.Path) -> pathlib.Path:
+  """``out_dir`` itself if it holds no run, else :func:`free_name`."""
+  return free_name(out_dir) if holds_run(out_dir) else out_dir
+
+
 def free_name(out_dir: pathlib.Path) -> pathlib.Path:
   """``out_dir-2``, ``out_dir-3``, ...: the first that holds no run."""
   n = 2
   while holds_run(out_dir.with_name(f"{out_dir.name}-{n}")):
     n += 1
   return out_dir.with_name(f"{out_dir.name}-{n}")
+
+
+def numbered_note(config) -> str | None:
+  """For a fresh run into ``NAME-N`` beside a ``NAME`` that holds a run, where it writes."""
+  out_dir = pathlib.Path(config.out_dir)
+  base, sep, number = out_dir.name.rpartition("-")
+  if config.resume or not sep or not number.isdigit() or not holds_run(out_dir.with_name(base)):
+    return None
+  return (f"{out_dir.with_name(base)} holds an earlier run, so this one writes to {out_dir} "
+          f"(continue it later with resume=true out_dir={out_dir})")
 
 
 def check_fresh(config) -> None:

@@ -407,6 +407,8 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
   primary = jax.process_index() == 0
   say = (lambda text: print(text, file=log, flush=True)) if primary else (lambda text: None)
   rundir.check_fresh(config)
+  if note := rundir.numbered_note(config):
+    say(note)
   run = build_run(config)
   say(run.devices_note)
   out_dir.mkdir(parents=True, exist_ok=True)

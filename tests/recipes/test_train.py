@@ -17,7 +17,7 @@ from job_testlib import TINY, losses
 from mesh_testlib import make_mesh
 
 import partition
-from recipes import checkpoint, data, train
+from recipes import checkpoint, data, rundir, train
 from recipes import config as config_lib
 from recipes.config import TrainConfigError, load_config
 
@@ -362,6 +362,36 @@ def test_rerun_into_the_same_out_dir_keeps_the_first_run(tmp_path, capsys):
   assert "checkpoints at steps 1, 2, 3" in err
   assert "resume=true" in err and f"out_dir={first}-2" in err
   assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+
+
+def test_the_default_out_dir_numbers_itself_and_one_you_set_does_not(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert load_config(overrides=TINY).out_dir == "runs/default"
+  (tmp_path / "runs/default").mkdir(parents=True)
+  assert load_config(overrides=TINY).out_dir == "runs/default"  # an empty folder holds no run
+  (tmp_path / "runs/default/metrics.jsonl").write_text("")
+  (tmp_path / "runs/default-2/checkpoints/7").mkdir(parents=True)
+  fresh = load_config(overrides=TINY)
+  assert fresh.out_dir == "runs/default-3"
+  assert rundir.numbered_note(fresh) == (
+      "runs/default holds an earlier run, so this one writes to runs/default-3 (continue it "
+      "later with resume=true out_dir=runs/default-3)")
+  assert load_config(overrides=TINY + ["resume=true"]).out_dir == "runs/default"
+  chosen = load_config(overrides=TINY + ["out_dir=runs/default"])
+  assert chosen.out_dir == "runs/default"
+  with pytest.raises(TrainConfigError, match=r"out_dir=runs/default already holds a run"):
+    rundir.check_fresh(chosen)
+
+
+@pytest.mark.slow
+def test_rerunning_the_default_job_writes_beside_the_first_run(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  assert train.main(TINY) == 0
+  assert train.main(TINY) == 0
+  err = capsys.readouterr().err
+  assert "runs/default holds an earlier run, so this one writes to runs/default-2" in err
+  assert (tmp_path / "runs/default/summary.json").exists()
+  assert (tmp_path / "runs/default-2/summary.json").exists()
 
 
 @pytest.mark.slow
