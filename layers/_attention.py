@@ -179,9 +179,13 @@ class Choice:
     return f"{self.implementation} ({self.reason})"
 
 
+_IN_STAGE = ("the fused kernels' shard_map cannot yet be differentiated inside a pipeline "
+             "stage (a manual mesh axis is bound)")
+
+
 def _cudnn_problems(backend: str, dtype: Any, head_dim: int, mask: Mask,
-                    sequence_sharded: bool) -> list[str]:
-  problems = []
+                    sequence_sharded: bool, in_manual: bool = False) -> list[str]:
+  problems = [_IN_STAGE] if in_manual else []
   if backend != "gpu":
     problems.append(f"cuDNN needs an NVIDIA GPU; the backend is {backend!r}")
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -201,8 +205,8 @@ def _cudnn_problems(backend: str, dtype: Any, head_dim: int, mask: Mask,
 
 
 def _pallas_problems(backend: str, head_dim: int, q_length: int, kv_length: int,
-                     block: int, sequence_sharded: bool) -> list[str]:
-  problems = []
+                     block: int, sequence_sharded: bool, in_manual: bool = False) -> list[str]:
+  problems = [_IN_STAGE] if in_manual else []
   if backend != "tpu":
     problems.append(f"the Pallas splash-attention kernel needs a TPU; the backend is "
                     f"{backend!r}")
@@ -226,7 +230,8 @@ def _pallas_block(length: int, block: int) -> int:
 
 def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length: int,
            mask: Mask | None, kv_length: int | None = None, block: int = 512,
-           sequence_sharded: bool = False, dense_mask: bool = False) -> Choice:
+           sequence_sharded: bool = False, dense_mask: bool = False,
+           in_manual: bool = False) -> Choice:
   """The implementation that runs for ``requested``, from static facts only.
 
   ``'auto'``: the fused kernel of the backend when its constraints hold (cuDNN on GPUs,
@@ -241,6 +246,8 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
     block: the K/V block of the blockwise path and the Pallas kernel.
     sequence_sharded: the rules shard the query length over a mesh axis.
     dense_mask: the caller passed a dense mask array (only ``'xla'`` takes one).
+    in_manual: traced inside a ``shard_map`` (a pipeline stage), where the fused kernels'
+      own ``shard_map`` cannot yet be differentiated.
 
   Raises:
     AttentionError: ``requested`` is unknown, or its constraints do not hold (each one
@@ -265,8 +272,9 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
                            "'xla' does): pass the mask as a layers Mask (causal, valid / "
                            "lengths, segment_ids), or use attention='xla'.")
     return Choice("xla", "a dense mask array was given (only 'xla' takes one)")
-  cudnn = _cudnn_problems(backend, dtype, head_dim, mask, sequence_sharded)
-  pallas = _pallas_problems(backend, head_dim, q_length, kv_length, block, sequence_sharded)
+  cudnn = _cudnn_problems(backend, dtype, head_dim, mask, sequence_sharded, in_manual)
+  pallas = _pallas_problems(backend, head_dim, q_length, kv_length, block, sequence_sharded,
+                            in_manual)
   facts = f"{backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}, {mask.kind}"
   if requested in ("cudnn", "pallas"):
     problems = cudnn if requested == "cudnn" else pallas
@@ -342,7 +350,8 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | Non
   choice = choose(implementation, backend=backend_of(mesh), dtype=q.dtype, head_dim=q.shape[-1],
                   q_length=q.shape[1], kv_length=k.shape[1],
                   mask=None if dense_mask else mask, block=block,
-                  sequence_sharded=bool(seq_axes), dense_mask=dense_mask)
+                  sequence_sharded=bool(seq_axes), dense_mask=dense_mask,
+                  in_manual=bool(jax.sharding.get_abstract_mesh().manual_axes))
   if dense_mask:
     return xla_attention(q, k, v, mask)
   mask = Mask(causal=False) if mask is None else mask
@@ -352,9 +361,10 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | Non
   if choice.implementation in ("cudnn", "pallas"):  # custom calls: XLA cannot partition them
     return shard_mapped(kernel, q, k, v, mask)
   if choice.implementation == "blockwise" and seq_axes:
-    # Sequence parallelism: the queries stay sharded over the sequence; every device needs
-    # all keys and values (the gather is explicit; XLA partitions the rest).
-    k, v = (partition.constrain(a, ("batch", None, "kv_heads", "head_dim")) for a in (k, v))
+    # Sequence parallelism: each device runs its own query block against all keys and values
+    # at its offset. Left to XLA, the causal schedule's slices of the sharded query dim
+    # inside the scan run replicated (every device computes every query).
+    return shard_mapped(kernel, q, k, v, mask)
   return kernel(q, k, v, _parts(mask), causal=mask.causal, q_offset=0)
 
 
@@ -519,7 +529,11 @@ def _blockwise_fwd_impl(q, k, v, parts, q_offset, causal, schedule, unroll):
     s, visible = _scores(schedule.q_slice(qg, i, 1), kj, {**block_parts, **lengths}, causal,
                          q_offset + i * schedule.q_block, j * size, size, k.shape[1])
     m_new = jnp.maximum(m, jnp.max(jnp.where(visible, s, _MASK_VALUE), axis=-1))
-    p = jnp.where(visible, jnp.exp(s - m_new[..., None]), 0.0)
+    # The mask inside the exponent: exp of a masked score is exp(-inf) = 0 with a zero
+    # derivative, where where(visible, exp(s - m), 0) would take exp(inf) in the dropped
+    # branch while a row has seen no key (m still _MASK_VALUE) and differentiating it
+    # again gives 0 * inf = NaN.
+    p = jnp.exp(jnp.where(visible, s - m_new[..., None], -jnp.inf))
     alpha = jnp.exp(m - m_new)
     total = alpha * total + jnp.sum(p, axis=-1)
     pv = jnp.einsum("bkgls,bskd->bkgld", p.astype(v.dtype), vj,
@@ -571,7 +585,7 @@ def _blockwise_bwd(causal, schedule, unroll, residuals, dout):
     qi, do_i = schedule.q_slice(qg, i, 1), schedule.q_slice(do, i, 1)
     s, visible = _scores(qi, kj, {**block_parts, **lengths}, causal,
                          q_offset + i * schedule.q_block, j * size, size, k.shape[1])
-    p = jnp.where(visible, jnp.exp(s - schedule.q_slice(lse, i, 3)[..., None]), 0.0)
+    p = jnp.exp(jnp.where(visible, s - schedule.q_slice(lse, i, 3)[..., None], -jnp.inf))
     dv_j = jnp.einsum("bkgls,blkgd->bskd", p.astype(do.dtype), do_i,
                       preferred_element_type=jnp.float32)
     dp = jnp.einsum("blkgd,bskd->bkgls", do_i, vj, preferred_element_type=jnp.float32)
