@@ -179,13 +179,9 @@ class Choice:
     return f"{self.implementation} ({self.reason})"
 
 
-_IN_STAGE = ("the fused kernels' shard_map cannot yet be differentiated inside a pipeline "
-             "stage (a manual mesh axis is bound)")
-
-
 def _cudnn_problems(backend: str, dtype: Any, head_dim: int, mask: Mask,
-                    sequence_sharded: bool, in_manual: bool = False) -> list[str]:
-  problems = [_IN_STAGE] if in_manual else []
+                    sequence_sharded: bool) -> list[str]:
+  problems = []
   if backend != "gpu":
     problems.append(f"cuDNN needs an NVIDIA GPU; the backend is {backend!r}")
   if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
@@ -205,8 +201,8 @@ def _cudnn_problems(backend: str, dtype: Any, head_dim: int, mask: Mask,
 
 
 def _pallas_problems(backend: str, head_dim: int, q_length: int, kv_length: int,
-                     block: int, sequence_sharded: bool, in_manual: bool = False) -> list[str]:
-  problems = [_IN_STAGE] if in_manual else []
+                     block: int, sequence_sharded: bool) -> list[str]:
+  problems = []
   if backend != "tpu":
     problems.append(f"the Pallas splash-attention kernel needs a TPU; the backend is "
                     f"{backend!r}")
@@ -230,8 +226,7 @@ def _pallas_block(length: int, block: int) -> int:
 
 def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length: int,
            mask: Mask | None, kv_length: int | None = None, block: int = 512,
-           sequence_sharded: bool = False, dense_mask: bool = False,
-           in_manual: bool = False) -> Choice:
+           sequence_sharded: bool = False, dense_mask: bool = False) -> Choice:
   """The implementation that runs for ``requested``, from static facts only.
 
   ``'auto'``: the fused kernel of the backend when its constraints hold (cuDNN on GPUs,
@@ -246,8 +241,6 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
     block: the K/V block of the blockwise path and the Pallas kernel.
     sequence_sharded: the rules shard the query length over a mesh axis.
     dense_mask: the caller passed a dense mask array (only ``'xla'`` takes one).
-    in_manual: traced inside a ``shard_map`` (a pipeline stage), where the fused kernels'
-      own ``shard_map`` cannot yet be differentiated.
 
   Raises:
     AttentionError: ``requested`` is unknown, or its constraints do not hold (each one
@@ -272,9 +265,8 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
                            "'xla' does): pass the mask as a layers Mask (causal, valid / "
                            "lengths, segment_ids), or use attention='xla'.")
     return Choice("xla", "a dense mask array was given (only 'xla' takes one)")
-  cudnn = _cudnn_problems(backend, dtype, head_dim, mask, sequence_sharded, in_manual)
-  pallas = _pallas_problems(backend, head_dim, q_length, kv_length, block, sequence_sharded,
-                            in_manual)
+  cudnn = _cudnn_problems(backend, dtype, head_dim, mask, sequence_sharded)
+  pallas = _pallas_problems(backend, head_dim, q_length, kv_length, block, sequence_sharded)
   facts = f"{backend}, {jnp.dtype(dtype).name}, head_dim {head_dim}, {mask.kind}"
   if requested in ("cudnn", "pallas"):
     problems = cudnn if requested == "cudnn" else pallas
@@ -350,8 +342,7 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | Non
   choice = choose(implementation, backend=backend_of(mesh), dtype=q.dtype, head_dim=q.shape[-1],
                   q_length=q.shape[1], kv_length=k.shape[1],
                   mask=None if dense_mask else mask, block=block,
-                  sequence_sharded=bool(seq_axes), dense_mask=dense_mask,
-                  in_manual=bool(jax.sharding.get_abstract_mesh().manual_axes))
+                  sequence_sharded=bool(seq_axes), dense_mask=dense_mask)
   if dense_mask:
     return xla_attention(q, k, v, mask)
   mask = Mask(causal=False) if mask is None else mask
@@ -614,9 +605,10 @@ def _blockwise_bwd(causal, schedule, unroll, residuals, dout):
 
 
 def _varying_like(init, *refs):
-  """``init`` (a scan's initial carry) made to depend on ``refs``: inside ``shard_map`` (a
-  pipeline stage) a carry must vary over the manual mesh axes its inputs vary over, and a
-  value computed from them does (``where(False, ...)``: no arithmetic touches the values)."""
+  """``init`` made to depend on ``refs``, so that inside ``shard_map`` (a pipeline stage) it
+  varies over the manual mesh axes they vary over, as a scan's initial carry must and as a
+  nested ``check_vma=False`` shard_map's outputs do not (``where(False, ...)``: no arithmetic
+  touches the values)."""
   anchor = sum(jnp.where(False, jnp.ravel(r)[0], 0).astype(jnp.float32)
                for r in jax.tree.leaves(refs) if jnp.size(r))
   return jax.tree.map(lambda x: x + anchor.astype(x.dtype), init)
@@ -703,8 +695,11 @@ def _splash(length, kv_length, groups, causal, block_q, block_kv, interpret):
   sizes = sk.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv,
                         block_q_dkv=block_q, block_kv_dkv=block_kv,
                         block_kv_dkv_compute=block_kv, block_q_dq=block_q, block_kv_dq=block_kv)
-  return sk.make_splash_mqa(sm.MultiHeadMask([one] * groups), block_sizes=sizes,
-                            head_shards=1, q_seq_shards=1, interpret=interpret)
+  # Cached across traces, so its mask tables must be concrete arrays: built inside a jit they
+  # would be that trace's tracers, leaked into the next jit with the same shapes.
+  with jax.ensure_compile_time_eval():
+    return sk.make_splash_mqa(sm.MultiHeadMask([one] * groups), block_sizes=sizes,
+                              head_shards=1, q_seq_shards=1, interpret=interpret)
 
 
 # -- sharding: kernels XLA cannot partition run inside shard_map -----------------------------
@@ -750,11 +745,69 @@ def shard_mapped(kernel, q: Array, k: Array, v: Array, mask: Mask) -> Array:
       k, v = (jax.lax.dynamic_slice_in_dim(a, start, kv_per_shard, axis=2) for a in (k, v))
     return kernel(q, k, v, parts, causal=mask.causal, q_offset=offset)
 
-  used = set(batch) | set(seq) | set(heads)
-  run = jax.shard_map(local, mesh=mesh, axis_names=used, check_vma=False,
-                      in_specs=(q_spec, kv_spec, kv_spec, {n: side[n] for n in parts}),
-                      out_specs=q_spec)
+  used = tuple(a for a in mesh.axis_names if a in {*batch, *seq, *heads})
+  in_specs = (q_spec, kv_spec, kv_spec, {n: side[n] for n in parts})
+  if jax.sharding.get_abstract_mesh().manual_axes:  # inside a pipeline stage
+    replicated_kv = tuple(a for a in used if a not in entry_mesh_axes(kv_entry)
+                          and a not in batch)
+    return _with_own_vjp(local, mesh, used, in_specs, q_spec, replicated_kv)(q, k, v, parts)
+  run = jax.shard_map(local, mesh=mesh, axis_names=set(used), check_vma=False,
+                      in_specs=in_specs, out_specs=q_spec)
   return run(q, k, v, parts)
+
+
+def _with_own_vjp(local, mesh, axes, in_specs, out_spec, replicated_kv):
+  """``jax.shard_map(local)`` over ``axes`` with its gradient taken per device.
+
+  Nested in another shard_map's manual axes (a pipeline stage), JAX's transpose of this
+  ``check_vma=False`` shard_map drops the outer axes from its cotangents ('Expected cotangent
+  type ...{V:stage}'), and with ``check_vma=True`` its residuals are given specs over the
+  outer, already manual, axes. So the VJP is ``local``'s own, run inside a forward shard_map,
+  its residuals leaving each device as one leading per-device dim (no layout to spec), and
+  the keys' and values' cotangents summed over the axes they were gathered across.
+  """
+  shard_map = functools.partial(jax.shard_map, mesh=mesh, axis_names=set(axes),
+                                check_vma=False)
+  per_device = jax.sharding.PartitionSpec(axes)
+
+  def forward(q, k, v, parts):
+    # The VJP is taken with respect to a per-device copy: the inputs themselves carry the outer
+    # axes' variance, which nothing computed in a check_vma=False body does, so cotangents of
+    # them would never type-check.
+    inputs = jax.tree.map(lambda a: a[None], (q, k, v, parts))
+    out, vjp = jax.vjp(lambda xs: local(*jax.tree.map(lambda a: a[0], xs))[None], inputs)
+    return out[0], jax.tree.map(lambda r: r[None], vjp)
+
+  def backward(vjp, dout):
+    (dq, dk, dv, _), = jax.tree.map(lambda r: r[0], vjp)(dout[None])
+    dq, dk, dv = dq[0], dk[0], dv[0]
+    if replicated_kv:
+      dk, dv = jax.lax.psum((dk, dv), replicated_kv)
+    return dq, dk, dv
+
+  # Outside, a check_vma=False shard_map's outputs vary over none of the outer manual axes:
+  # each must be made to vary as its inputs do, or the outer shard_map takes a per-stage
+  # value (a residual, say) for one replicated over stages.
+  @jax.custom_vjp
+  def run(q, k, v, parts):
+    out = shard_map(local, in_specs=in_specs, out_specs=out_spec)(q, k, v, parts)
+    return _varying_like(out, q, k, v)
+
+  def run_fwd(q, k, v, parts):
+    out, vjp = shard_map(forward, in_specs=in_specs,
+                         out_specs=(out_spec, per_device))(q, k, v, parts)
+    out, vjp = _varying_like((out, vjp), q, k, v)
+    return out, ((q, k, v), parts, vjp)
+
+  def run_bwd(residuals, dout):
+    primals, parts, vjp = residuals
+    grads = shard_map(backward, in_specs=(per_device, out_spec),
+                      out_specs=in_specs[:3])(vjp, dout)
+    grads = [_varying_like(g, p) for g, p in zip(grads, primals)]
+    return (*grads, jax.tree.map(_zero_cotangent, parts))
+
+  run.defvjp(run_fwd, run_bwd)
+  return run
 
 
 def _linear_index(axes: tuple[str, ...], mesh: Any) -> Array:

@@ -10,7 +10,6 @@ frameworks and the training CLI with every implementation.
 
 The references are independent of the code under test: a float64 numpy softmax attention
 written here from the definition (forward), and the ``'xla'`` path's autodiff (gradients).
-Tests marked ``xfail(strict=True)`` pin a known bug (see their reasons).
 """
 
 import contextlib
@@ -377,13 +376,13 @@ def test_sequence_parallel_causal_blockwise_splits_the_work(monkeypatch):
   assert _flops_share(True, monkeypatch) <= 0.2 * 1.2
 
 
-def _in_pipeline_stage(attention):
+def _in_pipeline_stage(attention, mesh_shape, rules):
   """``attention`` of each stage's own q, k, v inside a shard_map over 'stage' (as
   partition.pipeline runs a stage: manual over the stage axis, the rules on the abstract
-  mesh inside); the batch is sharded over 'data' by the rules."""
-  mesh = make_mesh((2, 4), ("data", "stage"))
-  rules = partition.AxisRules([("batch", "data"), ("length", None), ("heads", None),
-                               ("kv_heads", None), ("head_dim", None)])
+  mesh inside), under ``rules`` (logical name -> the other mesh axes)."""
+  mesh = make_mesh(tuple(mesh_shape.values()), tuple(mesh_shape))
+  names = ("batch", "length", "heads", "kv_heads", "head_dim")
+  rules = partition.AxisRules([(n, dict(rules).get(n)) for n in names])
 
   def body(q, k, v):
     with partition.axis_rules(None, mesh=jax.sharding.get_abstract_mesh()):
@@ -394,80 +393,95 @@ def _in_pipeline_stage(attention):
   return rules, mesh, run
 
 
-def _stage_qkv():
+def _stage_qkv(heads=2, kv_heads=1, length=6, head_dim=8):
   ks = jax.random.split(jax.random.key(0), 3)
-  return (jax.random.normal(ks[0], (4, 2, 6, 2, 8)), jax.random.normal(ks[1], (4, 2, 6, 1, 8)),
-          jax.random.normal(ks[2], (4, 2, 6, 1, 8)))
+  return (jax.random.normal(ks[0], (4, 2, length, heads, head_dim)),
+          jax.random.normal(ks[1], (4, 2, length, kv_heads, head_dim)),
+          jax.random.normal(ks[2], (4, 2, length, kv_heads, head_dim)))
 
 
-def test_shard_mapped_kernel_inside_a_pipeline_stage_forward():
+STAGE_CASES = {  # case: (mesh without 'stage', rules, heads, kv heads, kernel)
+    "batch": ({"data": 2}, [("batch", "data")], 2, 1, A._xla_kernel),
+    # kv heads gathered, each device slices its query heads' kv head: dk summed over 'tensor'
+    "heads, kv sliced": ({"tensor": 2}, [("heads", "tensor")], 4, 2, A._xla_kernel),
+    "heads, kv sharded": ({"tensor": 2}, [("heads", "tensor"), ("kv_heads", "tensor")], 4, 2,
+                          A._xla_kernel),
+    # queries sharded, keys and values gathered: each device at its offset, dk summed
+    "sequence": ({"sequence": 2}, [("length", "sequence")], 2, 1,
+                 functools.partial(A._blockwise_kernel, block=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(STAGE_CASES))
+def test_shard_mapped_kernel_inside_a_pipeline_stage_forward_and_gradients(case):
+  """The fused kernels' shard_map wrapper nested in a pipeline stage's shard_map: forward
+  against numpy, the gradients of q, k and v against each stage's own xla autodiff."""
+  mesh_shape, rules, heads, kv_heads, kernel = STAGE_CASES[case]
   mask = A.Mask(lengths=jnp.array([6, 4]))
-  q, k, v = _stage_qkv()
-  rules, mesh, run = _in_pipeline_stage(lambda q, k, v: A.shard_mapped(A._xla_kernel, q, k, v,
-                                                                       mask))
+  q, k, v = _stage_qkv(heads, kv_heads)
+  rules, mesh, run = _in_pipeline_stage(
+      lambda q, k, v: A.shard_mapped(kernel, q, k, v, mask), {**mesh_shape, "stage": 4}, rules)
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
   with partition.axis_rules(rules, mesh):
     out = jax.jit(run)(q, k, v)
+    grads = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(q, k, v)
+  plain = lambda q, k, v: A._xla_kernel(q, k, v, A._parts(mask), causal=True, q_offset=0)
   for s in range(4):
     _close(out[s], _reference(q[s], k[s], v[s], mask))
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[s], k[s], v[s])
+    for got, w in zip(grads, want):
+      _close(got[s], w, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: the shard_map wrapper of the fused kernels (layers/_attention.py shard_mapped, "
-    "jax.shard_map(..., check_vma=False)) cannot be differentiated inside a pipeline stage: "
-    "its output does not carry the enclosing manual 'stage' axis, and the transpose fails "
-    "with 'Expected cotangent type float32[...]{V:stage} but got float32[...]'. So "
-    "attention='cudnn' / 'pallas' (and 'auto' where it picks them on GPU/TPU) cannot train "
-    "under the pipeline_parallel and fsdp_pp presets; whatever kernel runs inside"))
-def test_shard_mapped_kernel_inside_a_pipeline_stage_gradients():
-  mask = A.Mask(lengths=jnp.array([6, 4]))
-  q, k, v = _stage_qkv()
-  rules, mesh, wrapped = _in_pipeline_stage(
-      lambda q, k, v: A.shard_mapped(A._xla_kernel, q, k, v, mask))
-  _, _, plain = _in_pipeline_stage(lambda q, k, v: A._xla_kernel(
-      q, k, v, A._parts(mask), causal=True, q_offset=0))
+def test_the_pallas_kernel_built_in_one_jit_runs_in_the_next():
+  """The splash kernel is cached per shape; built inside a jit, its mask tables must not be
+  that trace's tracers (the train step and the eval step are two jits of one shape)."""
+  A._splash.cache_clear()
+  q, k, v = _stage_qkv(length=128, head_dim=32)
+  run = lambda q, k, v: A._pallas_kernel(q, k, v, {}, causal=True, q_offset=0, block=128,
+                                         interpret=True)
+  first = jax.jit(run)(q[0], k[0], v[0])
+  second = jax.jit(lambda q, k, v: run(q, k, v) * 1.0)(q[1], k[1], v[1])
+  _close(first, _reference(q[0], k[0], v[0], A.Mask()), atol=1e-5)
+  _close(second, _reference(q[1], k[1], v[1], A.Mask()), atol=1e-5)
+
+
+def test_the_pallas_kernel_inside_a_pipeline_stage_in_interpret_mode():
+  """The splash kernel's wrapper (segment ids from lengths, GQA) in a stage, batch over
+  'data': forward and the gradients of q, k, v equal each stage's own xla autodiff."""
+  mask = A.Mask(lengths=jnp.array([128, 100]))
+  q, k, v = _stage_qkv(length=128, head_dim=32)
+  kernel = functools.partial(A._pallas_kernel, block=128, interpret=True)
+  rules, mesh, run = _in_pipeline_stage(lambda q, k, v: A.shard_mapped(kernel, q, k, v, mask),
+                                        {"data": 2, "stage": 4}, [("batch", "data")])
+  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
   with partition.axis_rules(rules, mesh):
-    want = jax.jit(jax.grad(lambda q: jnp.sum(plain(q, k, v) ** 2)))(q)
-    got = jax.jit(jax.grad(lambda q: jnp.sum(wrapped(q, k, v) ** 2)))(q)
-  _close(got, want, atol=1e-5)
+    out = jax.jit(run)(q, k, v)
+    grads = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(q, k, v)
+  plain = lambda q, k, v: A._xla_kernel(q, k, v, A._parts(mask), causal=True, q_offset=0)
+  for s in range(4):
+    _close(out[s], _reference(q[s], k[s], v[s], mask), atol=1e-5)
+    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[s], k[s], v[s])
+    for got, w in zip(grads, want):
+      _close(got[s], w, atol=1e-4)
 
 
-# -- choosing, and errors --------------------------------------------------------------------
-
-
-def test_explicit_xla_and_blockwise_always_run_and_auto_never_raises():
-  kinds = [A.Mask(), A.Mask(causal=False), A.Mask(valid=jnp.ones((1, 8), bool)),
-           A.Mask(lengths=jnp.array([3])), A.Mask(segment_ids=jnp.zeros((1, 8), jnp.int32))]
-  for backend in ("cpu", "gpu", "tpu"):
-    for dtype in (jnp.float32, jnp.bfloat16):
-      for head_dim in (8, 12, 128):
-        for mask in kinds:
-          for sharded in (False, True):
-            kw = dict(backend=backend, dtype=dtype, head_dim=head_dim, q_length=8, mask=mask,
-                      sequence_sharded=sharded)
-            assert A.choose("xla", **kw).implementation == "xla"
-            assert A.choose("blockwise", **kw).implementation == "blockwise"
-            assert A.choose("auto", **kw).implementation in ("xla", "blockwise", "cudnn",
-                                                             "pallas")
-
-
-@pytest.mark.parametrize("backend", ["gpu", "tpu"])
-def test_auto_inside_a_pipeline_stage_picks_what_can_train_there(backend):
-  kw = dict(backend=backend, dtype=jnp.bfloat16, head_dim=128, q_length=4096, mask=A.Mask())
-  assert A.choose("auto", **kw).implementation in ("cudnn", "pallas")
-  inside = A.choose("auto", **kw, in_manual=True)
-  assert inside.implementation == "blockwise" and "pipeline stage" in inside.reason
-
-
-def test_the_dispatch_sees_a_pipeline_stage():
-  """Traced inside a shard_map, an explicit fused kernel is refused by the dispatch itself."""
-  mesh = make_mesh((8,), ("stage",))
-  q = jnp.zeros((8, 1, 4, 2, 8), jnp.bfloat16)
-
-  def body(q):
-    return A.dot_product_attention(q[0], q[0], q[0], A.Mask(), implementation="cudnn")[None]
-
-  with pytest.raises(A.AttentionError, match="inside a pipeline stage"):
-    jax.shard_map(body, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"))(q)
+def test_an_explicit_fused_kernel_trains_inside_a_pipeline_stage(monkeypatch):
+  """attention='cudnn' through the dispatch, inside a stage (the custom call stood in for by
+  jax.nn.dot_product_attention's XLA version): gradients equal each stage's own."""
+  _cudnn_standing_in(monkeypatch)
+  mask = A.Mask(lengths=jnp.array([6, 4]))
+  q, k, v = (a.astype(jnp.bfloat16) for a in _stage_qkv())
+  rules, mesh, run = _in_pipeline_stage(
+      lambda q, k, v: A.dot_product_attention(q, k, v, mask, implementation="cudnn"),
+      {"data": 2, "stage": 4}, [("batch", "data")])
+  loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+  with partition.axis_rules(rules, mesh):
+    got = jax.jit(jax.grad(loss(run)))(q, k, v)
+  plain = lambda q, k, v: A._cudnn_kernel(q, k, v, A._parts(mask), causal=True, q_offset=0)
+  for s in range(4):
+    want = jax.grad(loss(plain))(q[s], k[s], v[s])
+    _close(got[s].astype(jnp.float32), want.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("requested,kw,constraint", [
@@ -475,8 +489,6 @@ def test_the_dispatch_sees_a_pipeline_stage():
     ("pallas", {"backend": "tpu", "sequence_sharded": True}, "sequence-sharded query block"),
     ("pallas", {"backend": "tpu", "q_length": 256, "kv_length": 200}, "multiple of 128"),
     ("pallas", {"backend": "tpu", "q_length": 640, "block": 512}, "block size (512)"),
-    ("cudnn", {"backend": "gpu", "in_manual": True}, "inside a pipeline stage"),
-    ("pallas", {"backend": "tpu", "in_manual": True}, "inside a pipeline stage"),
 ])
 def test_more_explicit_choices_that_cannot_run_name_the_constraint(requested, kw, constraint):
   args = {"dtype": jnp.bfloat16, "head_dim": 128, "q_length": 256, "mask": A.Mask(), **kw}
@@ -585,17 +597,10 @@ def _cudnn_standing_in(monkeypatch):
                       functools.partial(A._cudnn_kernel, implementation="xla"))
 
 
-_PIPELINE_BUG = pytest.mark.xfail(strict=True, reason=(
-    "BUG: the fused kernels' shard_map wrapper (layers/_attention.py shard_mapped) is not "
-    "differentiable inside a pipeline stage ('Expected cotangent type ...{V:stage}'); see "
-    "test_shard_mapped_kernel_inside_a_pipeline_stage_gradients"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", [
     "data_parallel", "fsdp_tp", "tensor_parallel", "expert_parallel", "microbatch",
-    pytest.param("pipeline_parallel", marks=_PIPELINE_BUG),
-    pytest.param("fsdp_pp", marks=_PIPELINE_BUG)])
+    "pipeline_parallel", "fsdp_pp"])
 def test_the_cudnn_wrapper_under_every_preset_with_a_stand_in_kernel(preset, monkeypatch):
   _cudnn_standing_in(monkeypatch)
   ((loss, got), grads), ((want_loss, want), want_grads) = _on_preset(
