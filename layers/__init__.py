@@ -15,6 +15,7 @@ from layers._decode import Generation as Generation
 from layers._decode import GenerateError as GenerateError
 from layers._decode import KVCache as KVCache
 from layers._decode import Sampling as Sampling
+from layers._params import LayerArgumentError as LayerArgumentError
 from layers._canonical import from_canonical as from_canonical
 from layers._canonical import to_canonical as to_canonical
 from layers.hf import HFError as HFError

@@ -129,6 +129,73 @@ class Mask:
                           kv_length)[:, 0]
 
 
+def array_problems(name: str, a: Any, shape: tuple[int, ...], integer_only: bool = False
+                   ) -> list[str]:
+  """What is wrong with the mask array ``a`` called ``name``: not ``shape``, or not of an
+  integer (or, unless ``integer_only``, bool) dtype. Empty when it fits."""
+  problems = []
+  if tuple(np.shape(a)) != tuple(shape):
+    problems.append(f"{name} has shape {tuple(np.shape(a))}; expected {tuple(shape)}")
+  dtype = jnp.asarray(a).dtype
+  if not (jnp.issubdtype(dtype, jnp.integer) or (dtype == jnp.dtype(bool) and not integer_only)):
+    problems.append(f"{name} has dtype {dtype.name}; expected "
+                    f"{'integer' if integer_only else 'bool or integer'}")
+  return problems
+
+
+def _input_problems(q: Any, k: Any, v: Any, mask: Mask | Array | None) -> list[str]:
+  """What keeps ``q, k, v`` and ``mask`` from being one attention problem."""
+  shapes = [tuple(np.shape(a)) for a in (q, k, v)]
+  bad = [f"{n} has shape {s}; expected (batch, {'q' if n == 'q' else 'kv'}_length, "
+         f"{'heads' if n == 'q' else 'kv_heads'}, head_dim)"
+         for n, s in zip("qkv", shapes) if len(s) != 4]
+  if bad:
+    return bad
+  (b, length, heads, d), kshape, vshape = shapes
+  problems = []
+  if kshape != vshape:
+    problems.append(f"k has shape {kshape} and v {vshape}; they must be equal")
+  if kshape[0] != b:
+    problems.append(f"batch {b} of q and {kshape[0]} of k differ")
+  if kshape[3] != d:
+    problems.append(f"head_dim {d} of q and {kshape[3]} of k differ")
+  if heads % kshape[2]:
+    problems.append(f"heads={heads} is not a multiple of kv_heads={kshape[2]} (grouped-query "
+                    "attention shares each kv head among heads // kv_heads query heads)")
+  kv_length = kshape[1]
+  if isinstance(mask, Mask):
+    for name in ("valid", "segment_ids"):
+      a = getattr(mask, name)
+      if a is not None and length != kv_length:
+        problems.append(f"mask.{name} is one {name} array for queries and keys, but they have "
+                        f"lengths {length} and {kv_length}")
+      elif a is not None:
+        problems += array_problems(f"mask.{name}", a, (b, length),
+                                   integer_only=name == "segment_ids")
+    if mask.lengths is not None:
+      problems += array_problems("mask.lengths", mask.lengths, (b,), integer_only=True)
+  elif mask is not None:
+    try:
+      np.broadcast_shapes(np.shape(mask), (b, heads, length, kv_length))
+    except ValueError:
+      problems.append(f"the dense mask has shape {tuple(np.shape(mask))}; it must broadcast to "
+                      f"(batch, heads, q_length, kv_length) = {(b, heads, length, kv_length)}")
+  return problems
+
+
+def _check_inputs(q: Any, k: Any, v: Any, mask: Mask | Array | None, block: Any,
+                  where: str) -> None:
+  problems = _input_problems(q, k, v, mask)
+  if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block < 1:
+    problems.append(f"block={block!r} must be a positive int (the K/V block width, e.g. 512)")
+  if problems:
+    raise AttentionError(format_message(
+        f"{where}: the inputs do not fit together.", bullets=problems,
+        fix="Pass q (batch, q_length, heads, head_dim), k and v (batch, kv_length, kv_heads, "
+            "head_dim) with heads a multiple of kv_heads, and a Mask whose arrays are "
+            "(batch, length) (valid, segment_ids) or (batch,) (lengths)."))
+
+
 def _parts(mask: Mask) -> dict[str, Array]:
   """The mask's arrays split into their query side and key side (``q_valid``/``kv_valid``,
   ``q_seg``/``kv_seg``, ``lengths``): under sequence parallelism the two sides are sharded
@@ -334,8 +401,10 @@ def dot_product_attention(q: Array, k: Array, v: Array, mask: Mask | Array | Non
     ``(batch, q_length, heads, head_dim)`` in ``q``'s dtype.
 
   Raises:
-    AttentionError: an explicit ``implementation`` whose constraints do not hold here.
+    AttentionError: an explicit ``implementation`` whose constraints do not hold here, or
+      inputs that do not fit together (each problem named).
   """
+  _check_inputs(q, k, v, mask, block, "dot_product_attention")
   dense_mask = mask is not None and not isinstance(mask, Mask)
   rules, mesh = partition.current_rules(), partition.current_rules_mesh()
   seq_axes = _query_axes(q.shape, rules, mesh)[1]
@@ -409,6 +478,7 @@ def blockwise_attention(q: Array, k: Array, v: Array, mask: Mask | None = None, 
   diagonal run: with ``n`` blocks, ``n (n + 1) / 2`` of the ``n^2`` pairs, about half the
   FLOPs. ``unroll`` is ``lax.scan``'s (True: no loop, how the tests read XLA's FLOP count).
   """
+  _check_inputs(q, k, v, mask, block, "blockwise_attention")
   mask = Mask(causal=False) if mask is None else mask
   return _blockwise_kernel(q, k, v, _parts(mask), causal=mask.causal, q_offset=q_offset,
                            block=block, unroll=unroll)

@@ -29,10 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import partition
 from layers import _core, _loss, _moe
-from layers._attention import Mask
+from layers._attention import Mask, array_problems
 from layers._config import ConfigError, TransformerConfig
 from layers._params import LayerArgumentError, ParamSpec, block_params, check_tokens
 from partition.internal import format_message
@@ -261,6 +262,7 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
   check_tokens(tokens, c.max_len, where)
   if targets is not None:
     _check_targets(targets, tokens.shape, where)
+  _check_mask(valid, segment_ids, tokens.shape, where)
   table = p["embed"]["embedding"]
   rest = {k: v for k, v in p.items() if k != "embed"}
   if targets is not None and c.loss_chunk:
@@ -300,6 +302,23 @@ def _chunked_loss(p: Params, tokens: Array, targets: Array, config: TransformerC
   loss = _loss.chunked_cross_entropy(h, weights, targets, chunk=c.loss_chunk,
                                      tied=c.tie_embeddings, dtype=c.dtype)
   return loss, aux
+
+
+def _check_mask(valid: Array | None, segment_ids: Array | None, shape: tuple[int, ...],
+                where: str) -> None:
+  """Raises ``LayerArgumentError`` unless ``valid`` and ``segment_ids`` fit the tokens."""
+  problems = []
+  if valid is not None:
+    lengths = np.ndim(valid) == 1   # (batch,) counts of real tokens, else a (batch, length) mask
+    problems += array_problems("valid", valid, shape[:1] if lengths else shape,
+                               integer_only=lengths)
+  if segment_ids is not None:
+    problems += array_problems("segment_ids", segment_ids, shape, integer_only=True)
+  if problems:
+    raise LayerArgumentError(format_message(
+        f"{where}: bad mask.", bullets=problems,
+        fix=f"Pass valid={shape} bool (True for real tokens) or {shape[:1]} ints (each row's "
+            f"count of real tokens, right padding), and segment_ids={shape} ints."))
 
 
 def _check_targets(targets: Array, shape: tuple[int, ...], where: str) -> None:
