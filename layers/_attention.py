@@ -358,17 +358,26 @@ def choose(requested: str, *, backend: str, dtype: Any, head_dim: int, q_length:
 
 
 def choice_for(config: Any, *, batch: int, length: int, rules: Any = None, mesh: Any = None,
-               mask: Mask | None = None) -> Choice:
+               mask: Mask | None = None, backend: str | None = None) -> Choice:
   """What a ``TransformerConfig``'s attention runs for ``(batch, length)`` tokens under
   ``rules`` and ``mesh`` (default: a causal mask), as the model will decide it when traced.
+
+  ``backend`` (``'cpu'``, ``'gpu'``, ``'tpu'``): the platform to decide for, e.g. the chip
+  a plan is for (default: the mesh's devices', else this process's).
 
   >>> import layers
   >>> print(choice_for(layers.TransformerConfig(), batch=2, length=16))
   xla (auto: length 16 < 2048; no fused kernel on cpu)
+  >>> cfg = layers.TransformerConfig(dtype='bfloat16', head_dim=128)
+  >>> choice_for(cfg, batch=2, length=16, backend='gpu').implementation
+  'cudnn'
+
+  Raises:
+    AttentionError: an explicit ``config.attention`` that cannot run there.
   """
   shape = (batch, length, config.num_heads, config.head_dim)
   seq = _query_axes(shape, rules, mesh)[1]
-  return choose(config.attention, backend=backend_of(mesh), dtype=config.dtype,
+  return choose(config.attention, backend=backend or backend_of(mesh), dtype=config.dtype,
                 head_dim=config.head_dim, q_length=length,
                 mask=Mask() if mask is None else mask, block=config.attention_block,
                 sequence_sharded=bool(seq))

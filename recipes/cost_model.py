@@ -29,10 +29,12 @@ one decoder block and the head, and prices each op class by how it runs:
 The pipeline bubble and the collectives are combined in :func:`recipes.roofline.step_time`.
 Every coefficient is a field of :class:`recipes.chips.Calibration` with its source.
 
+>>> import layers
 >>> from recipes.chips import get_chip
->>> resolve_attention('auto', get_chip('h200'), 'bfloat16', head_dim=128)
+>>> model = layers.TransformerConfig(dtype='bfloat16', head_dim=128)
+>>> resolve_attention('auto', get_chip('h200'), model, batch=4, seq_len=2048)
 'cudnn'
->>> resolve_attention('auto', get_chip('v5p'), 'bfloat16', head_dim=128)
+>>> resolve_attention('auto', get_chip('v5p'), model, batch=4, seq_len=2048)
 'pallas'
 """
 
@@ -76,27 +78,27 @@ OPS_PER_LAYER = {"forward": 12, "backward": 24}
 XLA_ATTENTION_OPS = {"forward": 4, "backward": 8}
 
 
-def resolve_attention(attention: str, chip: Chip, dtype, head_dim: int) -> str:
-  """The attention implementation ``'auto'`` stands for on ``chip`` (as
-  ``TransformerConfig.attention='auto'`` dispatches): cuDNN's fused kernel on an NVIDIA GPU
-  for bf16/fp16 with ``head_dim % 8 == 0`` and ``<= 256``, the Pallas (splash/flash) kernel
-  on a TPU, else XLA's. Other names are returned checked.
+def resolve_attention(attention: str, chip: Chip, model, *, batch: int, seq_len: int,
+                      rules=None, mesh=None) -> str:
+  """The attention implementation ``model`` (a ``layers.TransformerConfig``, with
+  ``attention`` in place of its own) runs on ``chip``: ``layers.attention_choice`` decided for
+  the chip's backend, the decision the model makes when it is traced there. ``'auto'`` is
+  cuDNN on an NVIDIA GPU (bf16/fp16, head_dim a multiple of 8 and <= 256, the sequence not
+  sharded), the Pallas kernel on a TPU (head_dim and length multiples of 128), else
+  ``'blockwise'`` from 2048 tokens on, else ``'xla'``. ``rules`` and ``mesh`` (an
+  ``AbstractMesh``) say whether the sequence is sharded.
 
   Raises:
     ValueError: an unknown name.
+    layers.AttentionError: an explicit kernel whose constraints do not hold on ``chip``.
   """
+  import layers
   if attention not in ATTENTIONS:
     raise ValueError(f"attention={attention!r} is not an attention implementation; use one "
                      f"of {', '.join(ATTENTIONS)} (model.attention=... or --attention).")
-  if attention != "auto":
-    return attention
-  half = str(dtype) in ("bfloat16", "float16", "<class 'jax.numpy.bfloat16'>") or \
-      getattr(dtype, "__name__", "") in ("bfloat16", "float16")
-  if chip.kind == "gpu":
-    return "cudnn" if half and head_dim % 8 == 0 and head_dim <= 256 else "xla"
-  if chip.kind == "tpu":
-    return "pallas"
-  return "xla"
+  config = dataclasses.replace(model, attention=attention)
+  return layers.attention_choice(config, batch=batch, length=seq_len, rules=rules, mesh=mesh,
+                                 backend=chip.kind).implementation
 
 
 @dataclasses.dataclass(frozen=True)

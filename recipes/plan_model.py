@@ -154,8 +154,9 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
              hosts: int = 1, attention: str | None = None) -> Estimate:
   """The analytic :class:`Estimate` of one plan (see the module docstring).
 
-  ``attention`` overrides ``model.attention`` (``'auto'`` when the config has none): the
-  implementation the cost model prices and whose working set the memory counts."""
+  ``attention`` overrides ``model.attention``; what it resolves to on ``chip``
+  (``cost_model.resolve_attention``) is what the cost model prices and whose working set the
+  memory counts."""
   from jax.sharding import AbstractMesh
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
   size = lambda axes: math.prod(mesh[a] for a in axes)
@@ -217,8 +218,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     for phase in roofline.PHASES:
       add(phase, stages, "permute", tokens * d * a, times=k)
 
-  impl = cost_model.resolve_attention(
-      attention or getattr(c, "attention", "auto"), chip, c.dtype, hd)
+  impl = cost_model.resolve_attention(attention or c.attention, chip, c, batch=batch,
+                                     seq_len=seq_len, rules=rules, mesh=amesh)
   rows_mb = batch / size(rows) / k
   seq_q = seq_len / size(seq)
   per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, a)

@@ -141,10 +141,27 @@ def model_params(config) -> list[plan_model.ParamShape]:
 
 
 def abstract_run(config):
-  """``recipes.explain.abstract_run``: the run traced without allocation (wrapped here so a
-  move of that function touches one line)."""
+  """``recipes.explain.abstract_run`` of :func:`runnable_here` ``(config)``: the run traced
+  without allocation (wrapped here so a move of that function touches one line)."""
   from recipes import explain
-  return explain.abstract_run(config)
+  return explain.abstract_run(runnable_here(config))
+
+
+def runnable_here(config):
+  """``config`` with a fused attention kernel this process cannot run (cuDNN off an NVIDIA
+  GPU, the Pallas kernel off a TPU) replaced by ``'blockwise'``: a plan for a GPU made on a
+  CPU still traces (parameter shapes do not depend on the kernel) and compiles (for its
+  collectives; a fused kernel's memory is the estimate's, ``search._memory_per_device``).
+  The plan written and ``--measure`` keep the user's kernel."""
+  import layers
+  model = config.model
+  if model.attention not in ("cudnn", "pallas"):
+    return config
+  try:
+    layers.attention_choice(model, batch=config.batch_size, length=config.seq_len)
+  except layers.AttentionError:
+    return dataclasses.replace(config, model=dataclasses.replace(model, attention="blockwise"))
+  return config
 
 
 def candidate_config(config, c: Candidate):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import layers
 from recipes import calibration, chips, cost_model, plan, train
 from recipes.config import load_config
 
@@ -114,4 +115,5 @@ def test_prediction_names_the_binding_term_and_kernel(table):
 def test_unknown_attention_is_rejected():
   with pytest.raises(ValueError, match=r"attention='flash' is not an attention implementation"
                                        r"; use one of auto, xla, cudnn, pallas, blockwise"):
-    cost_model.resolve_attention("flash", chips.get_chip("h100"), "bfloat16", 128)
+    cost_model.resolve_attention("flash", chips.get_chip("h100"), layers.TransformerConfig(),
+                                 batch=4, seq_len=2048)

@@ -12,7 +12,7 @@ import pytest
 import layers
 import partition
 from recipes import chips, cost_model, plan, plan_model, roofline, train
-from recipes.config import load_config
+from recipes.config import load_config, preset_path
 
 H200 = chips.get_chip("h200")
 ONE_B = ["seq_len=2048", "batch_size=4", "model.vocab_size=32768", "model.embed_dim=2048",
@@ -58,14 +58,39 @@ def test_fused_attention_skips_the_masked_half_and_xla_pays_for_scores():
       3 * 2 * flops / (0.80 * 989e12) + 45 * scores / (0.9 * 4.8e12))
 
 
-@pytest.mark.parametrize("kind,dtype,head_dim,expected", [
-    ("h100", "bfloat16", 128, "cudnn"), ("h100", "float16", 64, "cudnn"),
-    ("h100", "float32", 128, "xla"), ("h100", "bfloat16", 260, "xla"),
-    ("h100", "bfloat16", 100, "xla"),   # not a multiple of 8
-    ("v5e", "float32", 128, "pallas")])
-def test_auto_attention_by_chip(kind, dtype, head_dim, expected):
-  assert cost_model.resolve_attention("auto", chips.get_chip(kind), dtype,
-                                      head_dim) == expected
+@pytest.mark.parametrize("kind,dtype,head_dim,seq_len,expected", [
+    ("h100", "bfloat16", 128, 2048, "cudnn"), ("h100", "float16", 64, 2048, "cudnn"),
+    ("h100", "float32", 128, 1024, "xla"), ("h100", "bfloat16", 264, 1024, "xla"),
+    ("h100", "bfloat16", 100, 1024, "xla"),   # not a multiple of 8
+    ("h100", "float32", 128, 4096, "blockwise"),   # no fused kernel, long: memory-safe path
+    ("v5e", "float32", 128, 2048, "pallas"),
+    ("v5e", "bfloat16", 64, 1024, "xla"),     # the TPU kernel needs head_dim % 128 == 0
+    ("v5e", "bfloat16", 64, 4096, "blockwise")])
+def test_auto_attention_by_chip_is_what_the_model_runs_there(kind, dtype, head_dim, seq_len,
+                                                            expected):
+  model = layers.TransformerConfig(dtype=dtype, head_dim=head_dim, max_len=seq_len)
+  assert cost_model.resolve_attention("auto", chips.get_chip(kind), model, batch=4,
+                                      seq_len=seq_len) == expected
+
+
+def test_auto_attention_under_sequence_parallelism_is_not_cudnn():
+  """cuDNN cannot offset its causal mask for a sequence-sharded query block, so the model
+  runs 'blockwise' there (layers' dispatch); the planner prices that, not cuDNN."""
+  from jax.sharding import AbstractMesh
+  rules = partition.AxisRules.from_file(preset_path("sequence_parallel"))
+  model = layers.TransformerConfig(dtype="bfloat16", head_dim=128, max_len=4096)
+  mesh = AbstractMesh((2, 4), ("data", "sequence"))
+  assert cost_model.resolve_attention("auto", H200, model, batch=4, seq_len=4096,
+                                      rules=rules, mesh=mesh) == "blockwise"
+  assert cost_model.resolve_attention("auto", H200, model, batch=4, seq_len=4096,
+                                      rules=rules, mesh=AbstractMesh((8, 1), ("data", "sequence"))
+                                      ) == "cudnn"
+
+
+def test_an_explicit_kernel_the_chip_cannot_run_is_the_models_error():
+  model = layers.TransformerConfig(dtype="float32", head_dim=128)
+  with pytest.raises(layers.AttentionError, match="cuDNN takes bfloat16/float16 only"):
+    cost_model.resolve_attention("cudnn", H200, model, batch=4, seq_len=2048)
 
 
 def test_remat_recompute_and_optimizer_terms_by_hand():
@@ -157,6 +182,26 @@ def test_attention_flag_and_override(tmp_path):
   code, _, err = _cli(*common, "--attention", "cudn")
   assert code == 2 and "--attention 'cudn' is not an attention implementation " \
                        "(did you mean 'cudnn'" in err
+
+
+def test_a_fused_kernel_the_planning_host_lacks_is_planned_for_the_chip(tmp_path):
+  """model.attention=cudnn planned for an H100 from this CPU host: priced as cuDNN, traced
+  and compiled here with a kernel the host runs, and the plan written keeps cuDNN."""
+  out = tmp_path / "b.yaml"
+  common = ["--devices", "8", "--chip", "h100", "--json", "--no-plot", "--out", str(out),
+            "--cache", "", "--preset", "fsdp", "--remat", "none", *TINY,
+            "model.dtype=bfloat16", "model.head_dim=8", "model.attention=cudnn"]
+  code, text, err = _cli("--compile", "1", *common)
+  assert code == 0, err
+  report = json.loads(text)
+  assert report["compile_failures"] == {}
+  assert {p["attention"] for p in report["plans"]} == {"cudnn"}
+  assert report["plans"][0]["compiled"] is not None
+  assert load_config(out).model.attention == "cudnn"
+  # A kernel the chip itself cannot run is the model's error, as training there would be.
+  code, _, err = _cli("--compile", "0", *common[:-1], "model.attention=cudnn",
+                      "model.dtype=float32")
+  assert code == 2 and "cuDNN takes bfloat16/float16 only" in err
 
 
 def test_measure_needs_the_devices_it_plans_for(tmp_path):
