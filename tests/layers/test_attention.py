@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_testlib import numpy_attention
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from layers_testlib import FRAMEWORKS, build, config
@@ -45,42 +46,6 @@ def _masks(b=B, length=L):
                                         segment_ids=jnp.asarray(seg))}
 
 
-def _visible_np(mask, b, length, kv_length=None):
-  kv_length = length if kv_length is None else kv_length
-  i, j = np.arange(length)[:, None], np.arange(kv_length)[None, :]
-  vis = np.ones((b, length, kv_length), bool)
-  if mask.causal:
-    vis &= i >= j
-  if mask.valid is not None:
-    va = np.asarray(mask.valid)
-    vis &= va[:, :, None] & va[:, None, :]
-  if mask.lengths is not None:
-    n = np.asarray(mask.lengths)[:, None, None]
-    vis &= (i < n) & (j < n)
-  if mask.segment_ids is not None:
-    s = np.asarray(mask.segment_ids)
-    vis &= s[:, :, None] == s[:, None, :]
-  return vis
-
-
-def _numpy_attention(q, k, v, mask):
-  """float64 attention from the definition (GQA: query head h uses kv head h // g)."""
-  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-  b, length, heads, d = q.shape
-  g = heads // k.shape[2]
-  vis = _visible_np(mask, b, length, k.shape[1])
-  out = np.zeros_like(q)
-  for h in range(heads):
-    s = np.einsum("bld,bsd->bls", q[:, :, h], k[:, :, h // g]) / np.sqrt(d)
-    s = np.where(vis, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    p = np.where(vis, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
-    z = p.sum(-1, keepdims=True)
-    out[:, :, h] = np.einsum("bls,bsd->bld", np.where(z > 0, p / np.where(z > 0, z, 1), 0),
-                             v[:, :, h // g])
-  return out
-
-
 def _close(got, want, rtol=1e-5, atol=1e-6):
   np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
                              rtol=rtol, atol=atol)
@@ -96,7 +61,7 @@ def test_forward_equals_numpy_definition(kind, implementation):
   mask = _masks()[kind]
   # block 8 does not divide L = 21: the last K/V block is padded with keys that do not exist
   out = A.dot_product_attention(q, k, v, mask, implementation=implementation, block=8)
-  _close(out, _numpy_attention(q, k, v, mask))
+  _close(out, numpy_attention(q, k, v, mask))
 
 
 @pytest.mark.parametrize("kind", list(_masks()))
@@ -148,7 +113,7 @@ def test_blockwise_with_fewer_or_more_queries_than_keys_equals_xla(kind, q_lengt
   mask = {"causal": A.Mask(), "full": A.Mask(causal=False),
           "lengths": A.Mask(lengths=jnp.array([9, 21]))}[kind]
   out = A.dot_product_attention(q, k, v, mask, implementation="blockwise", block=8)
-  _close(out, _numpy_attention(q, k, v, mask))
+  _close(out, numpy_attention(q, k, v, mask))
   w = jax.random.normal(jax.random.key(9), q.shape)
 
   def grads(implementation):
@@ -209,7 +174,7 @@ def test_blockwise_bf16_is_within_bf16_rounding_of_the_truth():
   """
   q, k, v = _qkv(dtype=jnp.bfloat16)
   mask = _masks()["valid+segments+full"]
-  truth = _numpy_attention(q, k, v, mask)
+  truth = numpy_attention(q, k, v, mask)
   scale = float(np.abs(np.asarray(v, np.float32)).max())
   err = {impl: float(np.abs(np.asarray(A.dot_product_attention(
       q, k, v, mask, implementation=impl, block=8), np.float64) - truth).max())
@@ -309,7 +274,7 @@ def test_a_dense_mask_array_is_xla_only():
   with pytest.raises(A.AttentionError, match="cannot take a dense mask array"):
     A.dot_product_attention(q, k, v, _core.causal_mask(L), implementation="blockwise")
   _close(A.dot_product_attention(q, k, v, _core.causal_mask(L)),
-         _numpy_attention(q, k, v, A.Mask()))
+         numpy_attention(q, k, v, A.Mask()))
 
 
 def test_cudnn_on_cpu_is_an_error_from_the_model():
@@ -336,7 +301,7 @@ def test_cudnn_wrapper_with_jax_xla_standing_in(kind):
   mask = _masks()[kind]
   out = A._cudnn_kernel(q, k, v, A._parts(mask), causal=mask.causal, q_offset=0,
                         implementation="xla")
-  _close(out, _numpy_attention(q, k, v, mask))
+  _close(out, numpy_attention(q, k, v, mask))
 
 
 @pytest.mark.parametrize("kind", ["causal", "valid+segments+full", "lengths"])
@@ -348,7 +313,7 @@ def test_pallas_splash_wrapper_in_interpret_mode(kind):
   parts = A._parts(mask)
   run = lambda impl: lambda q, k, v: impl(q, k, v, parts, causal=mask.causal, q_offset=0)
   pallas = run(lambda *a, **kw: A._pallas_kernel(*a, **kw, block=128, interpret=True))
-  _close(pallas(q, k, v), _numpy_attention(q, k, v, mask), atol=1e-5)
+  _close(pallas(q, k, v), numpy_attention(q, k, v, mask), atol=1e-5)
   w = jax.random.normal(jax.random.key(7), q.shape)
   grads = lambda f: jax.grad(lambda *a: jnp.sum(w * f(*a)), argnums=(0, 1, 2))(q, k, v)
   for got, want in zip(grads(pallas), grads(run(A._xla_kernel))):
@@ -384,7 +349,7 @@ def test_shard_mapped_kernel_equals_one_device(case, inner):
             "blockwise": lambda *a, **kw: A._blockwise_kernel(*a, **kw, block=4)}[inner]
   w = jax.random.normal(jax.random.key(8), q.shape)
   f = lambda q, k, v: jnp.sum(w * A.shard_mapped(kernel, q, k, v, mask))
-  want_out = _numpy_attention(q, k, v, mask)
+  want_out = numpy_attention(q, k, v, mask)
   want_grads = jax.grad(lambda q, k, v: jnp.sum(w * A.dot_product_attention(
       q, k, v, mask, implementation="xla")), argnums=(0, 1, 2))(q, k, v)
   put = lambda a, axes: jax.device_put(a, NamedSharding(mesh, rules.spec(axes, a.shape, mesh)))

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from attention_testlib import numpy_attention
 from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -44,41 +45,6 @@ def _qkv(b, length, heads, kv_heads, d, kv_length=None, dtype=jnp.float32, seed=
   k = jax.random.normal(ks[1], (b, kv_length, kv_heads, d))
   v = jax.random.normal(ks[2], (b, kv_length, kv_heads, d))
   return q.astype(dtype), k.astype(dtype), v.astype(dtype)
-
-
-def _visible(mask, b, length, kv_length):
-  """``(b, length, kv_length)`` bool, from the Mask docstring's definition."""
-  i, j = np.arange(length)[:, None], np.arange(kv_length)[None, :]
-  vis = np.ones((b, length, kv_length), bool)
-  if mask.causal:
-    vis &= i >= j
-  if mask.valid is not None:
-    va = np.asarray(mask.valid, bool)
-    vis &= va[:, :, None] & va[:, None, :]
-  if mask.lengths is not None:
-    n = np.asarray(mask.lengths)[:, None, None]
-    vis &= (i < n) & (j < n)
-  if mask.segment_ids is not None:
-    s = np.asarray(mask.segment_ids)
-    vis &= s[:, :, None] == s[:, None, :]
-  return vis
-
-
-def _reference(q, k, v, mask):
-  """float64 grouped-query softmax attention; a query with no visible key outputs zeros."""
-  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
-  b, length, heads, d = q.shape
-  g = heads // k.shape[2]
-  vis = _visible(mask, b, length, k.shape[1])
-  out = np.zeros_like(q)
-  for h in range(heads):
-    s = np.einsum("bld,bsd->bls", q[:, :, h], k[:, :, h // g]) / np.sqrt(d)
-    s = np.where(vis, s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    e = np.where(vis, np.exp(s - np.where(np.isfinite(m), m, 0)), 0)
-    z = e.sum(-1, keepdims=True)
-    out[:, :, h] = np.einsum("bls,bsd->bld", e / np.where(z > 0, z, 1), v[:, :, h // g])
-  return out
 
 
 def _close(got, want, rtol=1e-5, atol=1e-6):
@@ -137,7 +103,7 @@ def test_blockwise_at_the_block_edges_equals_the_definition(shape, mask_kind):
   q, k, v = _qkv(b, length, heads, kv_heads, d)
   mask = _edge_masks(b, length)[mask_kind]
   blockwise = _attend("blockwise", mask, block)
-  _close(jax.jit(blockwise)(q, k, v), _reference(q, k, v, mask))
+  _close(jax.jit(blockwise)(q, k, v), numpy_attention(q, k, v, mask))
   got, want = _grads(blockwise, q, k, v), _grads(_attend("xla", mask, block), q, k, v)
   _assert_finite(*got)
   for a, b_ in zip(got, want):
@@ -161,7 +127,7 @@ def test_padding_gives_zero_outputs_and_zero_gradients_without_nan(implementatio
   _assert_finite(out, dq, dk, dv)
   for g in (dq, dk, dv):
     assert np.all(np.asarray(g)[~real] == 0)
-  _close(out, _reference(q, k, v, mask))
+  _close(out, numpy_attention(q, k, v, mask))
 
 
 def test_lengths_equal_the_same_padding_as_valid_forward_and_gradients():
@@ -195,7 +161,7 @@ def test_jit_and_vmap_over_inputs_and_masks_equal_xla():
   out = batched("blockwise")(qs, ks, vs, masks)
   for i in range(2):
     mask_i = A.Mask(valid=valid[i], segment_ids=seg[i].astype(jnp.int32))
-    _close(out[i], _reference(qs[i], ks[i], vs[i], mask_i))
+    _close(out[i], numpy_attention(qs[i], ks[i], vs[i], mask_i))
   w = jax.random.normal(jax.random.key(4), qs.shape)
   grads = lambda f: jax.grad(lambda q, k, v: jnp.sum(w * f(q, k, v, masks)),
                              argnums=(0, 1, 2))(qs, ks, vs)
@@ -221,7 +187,7 @@ def test_a_query_block_at_an_offset_equals_that_slice_forward_and_gradients(trac
 
   run = (jax.jit(part) if traced else jax.jit(part, static_argnums=3))
   offset = jnp.int32(lo) if traced else lo
-  _close(run(q[:, lo:hi], k, v, offset), _reference(q, k, v, mask)[:, lo:hi])
+  _close(run(q[:, lo:hi], k, v, offset), numpy_attention(q, k, v, mask)[:, lo:hi])
   got = jax.grad(lambda q, k, v: jnp.sum(w * run(q, k, v, offset)),
                  argnums=(0, 1, 2))(q[:, lo:hi], k, v)
   whole = lambda q, k, v: A.dot_product_attention(q, k, v, mask, implementation="xla")
@@ -337,7 +303,7 @@ def test_sharded_blockwise_equals_the_definition(case, via):
   with partition.axis_rules(rules, mesh):
     out = jax.jit(f)(qs, ks, vs)
     got = _grads(f, qs, ks, vs)
-  _close(out, _reference(q, k, v, mask))
+  _close(out, numpy_attention(q, k, v, mask))
   for a, b_ in zip(got, want):
     _close(a, b_, atol=1e-5)
 
@@ -419,18 +385,25 @@ def test_shard_mapped_kernel_inside_a_pipeline_stage_forward_and_gradients(case)
   mesh_shape, rules, heads, kv_heads, kernel = STAGE_CASES[case]
   mask = A.Mask(lengths=jnp.array([6, 4]))
   q, k, v = _stage_qkv(heads, kv_heads)
+  _check_in_stage(kernel, q, k, v, mask, {**mesh_shape, "stage": 4}, rules, atol=1e-6,
+                  grad_atol=1e-5)
+
+
+def _check_in_stage(kernel, q, k, v, mask, mesh_shape, rules, atol, grad_atol):
+  """``shard_mapped(kernel)`` in a 4-stage pipeline: each stage's output equals numpy's, its
+  q, k, v gradients the stage's own xla autodiff."""
   rules, mesh, run = _in_pipeline_stage(
-      lambda q, k, v: A.shard_mapped(kernel, q, k, v, mask), {**mesh_shape, "stage": 4}, rules)
+      lambda q, k, v: A.shard_mapped(kernel, q, k, v, mask), mesh_shape, rules)
   loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
   with partition.axis_rules(rules, mesh):
     out = jax.jit(run)(q, k, v)
     grads = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(q, k, v)
   plain = lambda q, k, v: A._xla_kernel(q, k, v, A._parts(mask), causal=True, q_offset=0)
   for s in range(4):
-    _close(out[s], _reference(q[s], k[s], v[s], mask))
+    _close(out[s], numpy_attention(q[s], k[s], v[s], mask), atol=atol)
     want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[s], k[s], v[s])
     for got, w in zip(grads, want):
-      _close(got[s], w, atol=1e-5)
+      _close(got[s], w, atol=grad_atol)
 
 
 def test_the_pallas_kernel_built_in_one_jit_runs_in_the_next():
@@ -442,8 +415,8 @@ def test_the_pallas_kernel_built_in_one_jit_runs_in_the_next():
                                          interpret=True)
   first = jax.jit(run)(q[0], k[0], v[0])
   second = jax.jit(lambda q, k, v: run(q, k, v) * 1.0)(q[1], k[1], v[1])
-  _close(first, _reference(q[0], k[0], v[0], A.Mask()), atol=1e-5)
-  _close(second, _reference(q[1], k[1], v[1], A.Mask()), atol=1e-5)
+  _close(first, numpy_attention(q[0], k[0], v[0], A.Mask()), atol=1e-5)
+  _close(second, numpy_attention(q[1], k[1], v[1], A.Mask()), atol=1e-5)
 
 
 def test_the_pallas_kernel_inside_a_pipeline_stage_in_interpret_mode():
@@ -452,18 +425,8 @@ def test_the_pallas_kernel_inside_a_pipeline_stage_in_interpret_mode():
   mask = A.Mask(lengths=jnp.array([128, 100]))
   q, k, v = _stage_qkv(length=128, head_dim=32)
   kernel = functools.partial(A._pallas_kernel, block=128, interpret=True)
-  rules, mesh, run = _in_pipeline_stage(lambda q, k, v: A.shard_mapped(kernel, q, k, v, mask),
-                                        {"data": 2, "stage": 4}, [("batch", "data")])
-  loss = lambda f: lambda q, k, v: jnp.sum(jnp.sin(f(q, k, v)))
-  with partition.axis_rules(rules, mesh):
-    out = jax.jit(run)(q, k, v)
-    grads = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(q, k, v)
-  plain = lambda q, k, v: A._xla_kernel(q, k, v, A._parts(mask), causal=True, q_offset=0)
-  for s in range(4):
-    _close(out[s], _reference(q[s], k[s], v[s], mask), atol=1e-5)
-    want = jax.grad(loss(plain), argnums=(0, 1, 2))(q[s], k[s], v[s])
-    for got, w in zip(grads, want):
-      _close(got[s], w, atol=1e-4)
+  _check_in_stage(kernel, q, k, v, mask, {"data": 2, "stage": 4}, [("batch", "data")],
+                  atol=1e-5, grad_atol=1e-4)
 
 
 def test_an_explicit_fused_kernel_trains_inside_a_pipeline_stage(monkeypatch):
