@@ -226,15 +226,14 @@ def measure(name: str, params, grad_fn, tokens, steps: int, peak: float | None,
 
 def attention_memory_curve(cfg: layers.TransformerConfig, lengths, implementations):
   """Compiled temp bytes of attention forward + backward alone (batch 1, the model's heads)."""
-  from layers import _attention
   out = []
   for length in lengths:
     q = jax.ShapeDtypeStruct((1, length, cfg.num_heads, cfg.head_dim), cfg.dtype)
     kv = jax.ShapeDtypeStruct((1, length, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
     row = {"length": length}
     for impl in implementations:
-      f = lambda q, k, v, impl=impl: jnp.sum(_attention.dot_product_attention(
-          q, k, v, _attention.Mask(), implementation=impl,
+      f = lambda q, k, v, impl=impl: jnp.sum(layers.dot_product_attention(
+          q, k, v, layers.Mask(), implementation=impl,
           block=cfg.attention_block).astype(jnp.float32))
       try:
         compiled = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
@@ -249,14 +248,13 @@ def blockwise_causal_flops(cfg: layers.TransformerConfig, blocks: int = 8) -> di
   """XLA's FLOPs of the blockwise attention's forward + backward, causal against non-causal,
   at ``blocks`` blocks per side (batch 1, the model's heads; scans unrolled, as XLA's cost
   analysis counts a loop body once). Expected: ``(n + 1) / (2 n)`` of the pairs run."""
-  from layers import _attention
   block = min(cfg.attention_block, 128)
   q = jax.ShapeDtypeStruct((1, blocks * block, cfg.num_heads, cfg.head_dim), cfg.dtype)
   kv = jax.ShapeDtypeStruct((1, blocks * block, cfg.num_kv_heads, cfg.head_dim), cfg.dtype)
 
   def flops(causal):
-    f = lambda q, k, v, w: jnp.sum(w * _attention.blockwise_attention(
-        q, k, v, _attention.Mask(causal=causal), block=block, unroll=True).astype(jnp.float32))
+    f = lambda q, k, v, w: jnp.sum(w * layers.blockwise_attention(
+        q, k, v, layers.Mask(causal=causal), block=block, unroll=True).astype(jnp.float32))
     cost = jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(q, kv, kv, q).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
 

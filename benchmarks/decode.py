@@ -157,7 +157,7 @@ def run(quick: bool) -> Section:
   ours_prefill = jax.jit(lambda p, t, c: _decode.prefill(p, t, c, cfg), donate_argnums=(2,))
 
   def fresh_cache():
-    return _decode.init_cache(cfg, batch, length)
+    return layers.init_cache(cfg, batch, length)
 
   def fresh_hand():
     c = fresh_cache()
@@ -270,7 +270,7 @@ def _cache_bytes(cfg, batch, length) -> tuple[Row, Check]:
   ``(2, 2, 2)`` mesh, against the size worked out by hand from the preset's rules."""
   from recipes.config import preset_rules
   mesh = auto_mesh((2, 2, 2), ("data", "fsdp", "tensor"))
-  cache = _decode.init_cache(cfg, batch * 4, length, rules=preset_rules("fsdp_tp"), mesh=mesh)
+  cache = layers.init_cache(cfg, batch * 4, length, rules=preset_rules("fsdp_tp"), mesh=mesh)
   device = mesh.devices.flat[0]
   held = sum(s.data.nbytes for x in (cache.k, cache.v) for s in x.addressable_shards
              if s.device == device)
@@ -279,7 +279,7 @@ def _cache_bytes(cfg, batch, length) -> tuple[Row, Check]:
   analytic = 2 * cfg.num_layers * (batch * 4 // 4) * length * (cfg.num_kv_heads // kv_split) \
       * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
   workload = f"KV cache {batch * 4} x {length} tokens, fsdp_tp, mesh (2,2,2)"
-  library = _decode.cache_bytes_per_device(cfg, batch * 4, length,
+  library = layers.cache_bytes_per_device(cfg, batch * 4, length,
                                            rules=preset_rules("fsdp_tp"), mesh=mesh)
   check = Check(NAME, workload, float(abs(library - analytic)), 0.0, 0.0, library == analytic)
   return (Row(NAME, workload, "cache bytes per device", held, analytic, "bytes", BYTES_TARGET,

@@ -1,9 +1,9 @@
-"""Section: the cross-entropy over the vocabulary, chunked (``layers._loss``) vs full logits.
+"""Section: the cross-entropy over the vocabulary, chunked vs full logits.
 
 Loss + gradient (w.r.t. the final hidden states and the tied ``(vocab, embed)`` table) of
 the mean softmax cross-entropy of ``h (batch, length, embed)``: from the full fp32 logits
 (optax's ``softmax_cross_entropy_with_integer_labels``, what ``TransformerConfig.loss_chunk
-= 0`` computes) and by ``layers._loss.chunked_cross_entropy`` (``loss_chunk`` tokens per row
+= 0`` computes) and by ``layers.chunked_cross_entropy`` (``loss_chunk`` tokens per row
 per step, custom VJP). Measured on the compiled programs, never run: XLA's temp memory
 (``memory_analysis``) against the full program's and against the analytic size of one fp32
 copy of the logits, ``batch x length x vocab x 4`` bytes; and the flops: the matmuls' count
@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import layers
 from benchmarks.common import Row, Section, log, memory
-from layers._loss import chunked_cross_entropy
 
 NAME = "loss_memory"
 TITLE = "Chunked cross-entropy vs full fp32 logits: temp memory and flops of loss + grad"
@@ -35,7 +35,8 @@ def _full(h, w, t):
 
 
 def _chunked(chunk):
-  return lambda h, w, t: jnp.mean(chunked_cross_entropy(h, w, t, chunk=chunk, tied=True)[0])
+  return lambda h, w, t: jnp.mean(
+      layers.chunked_cross_entropy(h, w, t, chunk=chunk, tied=True)[0])
 
 
 def _compiled(loss, h, w, t):

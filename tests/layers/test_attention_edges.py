@@ -53,7 +53,7 @@ def _close(got, want, rtol=1e-5, atol=1e-6):
 
 
 def _attend(implementation, mask, block):
-  return lambda q, k, v: A.dot_product_attention(q, k, v, mask, implementation=implementation,
+  return lambda q, k, v: layers.dot_product_attention(q, k, v, mask, implementation=implementation,
                                                  block=block)
 
 
@@ -91,9 +91,10 @@ def _edge_masks(b, length):
   valid[1:] = False                     # every later row is all padding
   lengths = np.array([max(length - 2, 1), 0, length + 3][:b])
   seg = np.repeat((pos >= (length + 1) // 2).astype(np.int32), b, 0)
-  return {"causal+valid+segments": A.Mask(valid=jnp.asarray(valid), segment_ids=jnp.asarray(seg)),
-          "full+lengths+segments": A.Mask(causal=False, lengths=jnp.asarray(lengths),
-                                          segment_ids=jnp.asarray(seg))}
+  return {"causal+valid+segments": layers.Mask(valid=jnp.asarray(valid),
+                                               segment_ids=jnp.asarray(seg)),
+          "full+lengths+segments": layers.Mask(causal=False, lengths=jnp.asarray(lengths),
+                                               segment_ids=jnp.asarray(seg))}
 
 
 @pytest.mark.parametrize("mask_kind", ["causal+valid+segments", "full+lengths+segments"])
@@ -118,8 +119,8 @@ def test_padding_gives_zero_outputs_and_zero_gradients_without_nan(implementatio
   b, length = 3, 10
   q, k, v = _qkv(b, length, 4, 2, 8)
   real = np.arange(length)[None] < np.array([[7], [0], [10]])    # row 1: no real token
-  mask = (A.Mask(valid=jnp.asarray(real)) if padding == "valid"
-          else A.Mask(lengths=jnp.array([7, 0, 10])))
+  mask = (layers.Mask(valid=jnp.asarray(real)) if padding == "valid"
+          else layers.Mask(lengths=jnp.array([7, 0, 10])))
   f = _attend(implementation, mask, 4)
   out = np.asarray(f(q, k, v))
   assert np.all(out[~real] == 0)
@@ -135,8 +136,8 @@ def test_lengths_equal_the_same_padding_as_valid_forward_and_gradients():
   lengths = jnp.array([11, 4, 16])            # 16 > 11: every token is real
   valid = jnp.arange(11)[None] < lengths[:, None]
   for causal in (True, False):
-    as_lengths = _attend("blockwise", A.Mask(causal=causal, lengths=lengths), 4)
-    as_valid = _attend("blockwise", A.Mask(causal=causal, valid=valid), 4)
+    as_lengths = _attend("blockwise", layers.Mask(causal=causal, lengths=lengths), 4)
+    as_valid = _attend("blockwise", layers.Mask(causal=causal, valid=valid), 4)
     _close(as_lengths(q, k, v), as_valid(q, k, v))
     for a, b in zip(_grads(as_lengths, q, k, v), _grads(as_valid, q, k, v)):
       _close(a, b, atol=1e-6)
@@ -152,15 +153,15 @@ def test_jit_and_vmap_over_inputs_and_masks_equal_xla():
   valid = jnp.stack([jnp.arange(11)[None] >= jnp.array([[0], [3]]),
                      jnp.arange(11)[None] % 4 != 1 + jnp.zeros((2, 1), int)])
   seg = jnp.stack([jnp.zeros((2, 11), jnp.int32), (jnp.arange(11)[None] > 5).repeat(2, 0)])
-  masks = A.Mask(valid=valid, segment_ids=seg.astype(jnp.int32))
+  masks = layers.Mask(valid=valid, segment_ids=seg.astype(jnp.int32))
 
   def batched(implementation):
-    return jax.jit(jax.vmap(lambda q, k, v, m: A.dot_product_attention(
+    return jax.jit(jax.vmap(lambda q, k, v, m: layers.dot_product_attention(
         q, k, v, m, implementation=implementation, block=4)))
 
   out = batched("blockwise")(qs, ks, vs, masks)
   for i in range(2):
-    mask_i = A.Mask(valid=valid[i], segment_ids=seg[i].astype(jnp.int32))
+    mask_i = layers.Mask(valid=valid[i], segment_ids=seg[i].astype(jnp.int32))
     _close(out[i], numpy_attention(qs[i], ks[i], vs[i], mask_i))
   w = jax.random.normal(jax.random.key(4), qs.shape)
   grads = lambda f: jax.grad(lambda q, k, v: jnp.sum(w * f(q, k, v, masks)),
@@ -176,7 +177,7 @@ def test_a_query_block_at_an_offset_equals_that_slice_forward_and_gradients(trac
   block): forward and the gradients of that slice's output."""
   q, k, v = _qkv(2, 17, 4, 2, 8)
   seg = jnp.asarray(np.repeat((np.arange(17)[None] >= 9).astype(np.int32), 2, 0))
-  mask = A.Mask(lengths=jnp.array([14, 17]), segment_ids=seg)
+  mask = layers.Mask(lengths=jnp.array([14, 17]), segment_ids=seg)
   lo, hi = 5, 13
   w = jax.random.normal(jax.random.key(2), (2, hi - lo, 4, 8))
   parts = A._parts(mask)
@@ -190,7 +191,7 @@ def test_a_query_block_at_an_offset_equals_that_slice_forward_and_gradients(trac
   _close(run(q[:, lo:hi], k, v, offset), numpy_attention(q, k, v, mask)[:, lo:hi])
   got = jax.grad(lambda q, k, v: jnp.sum(w * run(q, k, v, offset)),
                  argnums=(0, 1, 2))(q[:, lo:hi], k, v)
-  whole = lambda q, k, v: A.dot_product_attention(q, k, v, mask, implementation="xla")
+  whole = lambda q, k, v: layers.dot_product_attention(q, k, v, mask, implementation="xla")
   want = jax.grad(lambda q, k, v: jnp.sum(w * whole(q, k, v)[:, lo:hi]),
                   argnums=(0, 1, 2))(q, k, v)
   _close(got[0], want[0][:, lo:hi], atol=1e-5)
@@ -199,7 +200,7 @@ def test_a_query_block_at_an_offset_equals_that_slice_forward_and_gradients(trac
 
 
 def _second_order(implementation, mask, q, k, v):
-  inner = lambda q: jnp.sum(A.dot_product_attention(
+  inner = lambda q: jnp.sum(layers.dot_product_attention(
       q, k, v, mask, implementation=implementation, block=4) ** 2)
   return jax.jit(jax.grad(lambda q: jnp.sum(jax.grad(inner)(q) ** 2)))(q)
 
@@ -207,7 +208,7 @@ def _second_order(implementation, mask, q, k, v):
 @pytest.mark.parametrize("kind", ["causal", "full"])
 def test_second_order_gradients_equal_xla_without_padding(kind):
   q, k, v = _qkv(2, 11, 4, 2, 8)
-  mask = A.Mask(causal=kind == "causal")
+  mask = layers.Mask(causal=kind == "causal")
   got, want = _second_order("blockwise", mask, q, k, v), _second_order("xla", mask, q, k, v)
   _close(got, want, rtol=1e-4, atol=1e-4)
 
@@ -215,9 +216,9 @@ def test_second_order_gradients_equal_xla_without_padding(kind):
 @pytest.mark.parametrize("kind", ["valid", "lengths", "segments"])
 def test_second_order_gradients_with_padding_or_packing_equal_xla(kind):
   q, k, v = _qkv(2, 11, 4, 2, 8)
-  mask = {"valid": A.Mask(valid=jnp.arange(11)[None] >= jnp.array([[0], [3]])),
-          "lengths": A.Mask(lengths=jnp.array([11, 7])),
-          "segments": A.Mask(segment_ids=(jnp.arange(11)[None] >= 5).astype(jnp.int32)
+  mask = {"valid": layers.Mask(valid=jnp.arange(11)[None] >= jnp.array([[0], [3]])),
+          "lengths": layers.Mask(lengths=jnp.array([11, 7])),
+          "segments": layers.Mask(segment_ids=(jnp.arange(11)[None] >= 5).astype(jnp.int32)
                              .repeat(2, 0))}[kind]
   got, want = _second_order("blockwise", mask, q, k, v), _second_order("xla", mask, q, k, v)
   _assert_finite(got)
@@ -230,12 +231,12 @@ def test_blockwise_bf16_gradients_are_within_bf16_rounding_of_the_truth():
   the blockwise path no further from the truth than the reference path plus 2^-8."""
   q, k, v = _qkv(2, 19, 4, 2, 8, dtype=jnp.bfloat16)
   pos = np.arange(19)[None]
-  mask = A.Mask(valid=jnp.asarray(pos >= np.array([[0], [4]])),
+  mask = layers.Mask(valid=jnp.asarray(pos >= np.array([[0], [4]])),
                 segment_ids=jnp.asarray(np.repeat((pos >= 9).astype(np.int32), 2, 0)))
   w = jax.random.normal(jax.random.key(10), q.shape)
 
   def grads(implementation, dtype):
-    f = lambda q, k, v: jnp.sum(w * A.dot_product_attention(
+    f = lambda q, k, v: jnp.sum(w * layers.dot_product_attention(
         q, k, v, mask, implementation=implementation, block=4).astype(jnp.float32))
     return jax.grad(f, argnums=(0, 1, 2))(*(a.astype(dtype) for a in (q, k, v)))
 
@@ -275,8 +276,8 @@ SHARDED_CASES = {  # rules, mesh, (batch, length, heads, kv_heads), block, mask 
 def _sharded_mask(kind, b, length):
   pos = np.arange(length)[None]
   if kind == "lengths":
-    return A.Mask(lengths=jnp.asarray(length - np.arange(b) % 4))
-  return A.Mask(valid=jnp.asarray(pos >= (np.arange(b) % 3)[:, None]),
+    return layers.Mask(lengths=jnp.asarray(length - np.arange(b) % 4))
+  return layers.Mask(valid=jnp.asarray(pos >= (np.arange(b) % 3)[:, None]),
                 segment_ids=jnp.asarray((pos >= 3 + np.arange(b)[:, None] % 4).astype(np.int32)))
 
 
@@ -318,7 +319,7 @@ def _flops_share(causal, monkeypatch):
                       functools.partial(A._blockwise_kernel, unroll=True))
   mesh = make_mesh((2, 4), ("data", "sequence"))
   rules = partition.AxisRules(SEQUENCE)
-  f = _attend("blockwise", A.Mask(causal=causal), 16)
+  f = _attend("blockwise", layers.Mask(causal=causal), 16)
   step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2)))
   shapes = [(2, 64, 2, 8), (2, 64, 1, 8), (2, 64, 1, 8)]
   plain = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
@@ -383,7 +384,7 @@ def test_shard_mapped_kernel_inside_a_pipeline_stage_forward_and_gradients(case)
   """The fused kernels' shard_map wrapper nested in a pipeline stage's shard_map: forward
   against numpy, the gradients of q, k and v against each stage's own xla autodiff."""
   mesh_shape, rules, heads, kv_heads, kernel = STAGE_CASES[case]
-  mask = A.Mask(lengths=jnp.array([6, 4]))
+  mask = layers.Mask(lengths=jnp.array([6, 4]))
   q, k, v = _stage_qkv(heads, kv_heads)
   _check_in_stage(kernel, q, k, v, mask, {**mesh_shape, "stage": 4}, rules, atol=1e-6,
                   grad_atol=1e-5)
@@ -415,14 +416,14 @@ def test_the_pallas_kernel_built_in_one_jit_runs_in_the_next():
                                          interpret=True)
   first = jax.jit(run)(q[0], k[0], v[0])
   second = jax.jit(lambda q, k, v: run(q, k, v) * 1.0)(q[1], k[1], v[1])
-  _close(first, numpy_attention(q[0], k[0], v[0], A.Mask()), atol=1e-5)
-  _close(second, numpy_attention(q[1], k[1], v[1], A.Mask()), atol=1e-5)
+  _close(first, numpy_attention(q[0], k[0], v[0], layers.Mask()), atol=1e-5)
+  _close(second, numpy_attention(q[1], k[1], v[1], layers.Mask()), atol=1e-5)
 
 
 def test_the_pallas_kernel_inside_a_pipeline_stage_in_interpret_mode():
   """The splash kernel's wrapper (segment ids from lengths, GQA) in a stage, batch over
   'data': forward and the gradients of q, k, v equal each stage's own xla autodiff."""
-  mask = A.Mask(lengths=jnp.array([128, 100]))
+  mask = layers.Mask(lengths=jnp.array([128, 100]))
   q, k, v = _stage_qkv(length=128, head_dim=32)
   kernel = functools.partial(A._pallas_kernel, block=128, interpret=True)
   _check_in_stage(kernel, q, k, v, mask, {"data": 2, "stage": 4}, [("batch", "data")],
@@ -433,10 +434,10 @@ def test_an_explicit_fused_kernel_trains_inside_a_pipeline_stage(monkeypatch):
   """attention='cudnn' through the dispatch, inside a stage (the custom call stood in for by
   jax.nn.dot_product_attention's XLA version): gradients equal each stage's own."""
   _cudnn_standing_in(monkeypatch)
-  mask = A.Mask(lengths=jnp.array([6, 4]))
+  mask = layers.Mask(lengths=jnp.array([6, 4]))
   q, k, v = (a.astype(jnp.bfloat16) for a in _stage_qkv())
   rules, mesh, run = _in_pipeline_stage(
-      lambda q, k, v: A.dot_product_attention(q, k, v, mask, implementation="cudnn"),
+      lambda q, k, v: layers.dot_product_attention(q, k, v, mask, implementation="cudnn"),
       {"data": 2, "stage": 4}, [("batch", "data")])
   loss = lambda f: lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
   with partition.axis_rules(rules, mesh):
@@ -454,7 +455,7 @@ def test_an_explicit_fused_kernel_trains_inside_a_pipeline_stage(monkeypatch):
     ("pallas", {"backend": "tpu", "q_length": 640, "block": 512}, "block size (512)"),
 ])
 def test_more_explicit_choices_that_cannot_run_name_the_constraint(requested, kw, constraint):
-  args = {"dtype": jnp.bfloat16, "head_dim": 128, "q_length": 256, "mask": A.Mask(), **kw}
+  args = {"dtype": jnp.bfloat16, "head_dim": 128, "q_length": 256, "mask": layers.Mask(), **kw}
   with pytest.raises(A.AttentionError, match="Use attention='auto'") as e:
     A.choose(requested, **args)
   assert constraint in str(e.value)
@@ -464,9 +465,9 @@ def test_more_explicit_choices_that_cannot_run_name_the_constraint(requested, kw
 def test_the_dispatch_refuses_a_fused_kernel_on_cpu_never_falling_back(implementation):
   q, k, v = _qkv(1, 8, 2, 1, 8)
   with pytest.raises(A.AttentionError, match="cannot run here"):
-    A.dot_product_attention(q, k, v, A.Mask(), implementation=implementation)
+    layers.dot_product_attention(q, k, v, layers.Mask(), implementation=implementation)
   with pytest.raises(A.AttentionError, match="cannot run here"):
-    jax.jit(_attend(implementation, A.Mask(), 512))(q, k, v)
+    jax.jit(_attend(implementation, layers.Mask(), 512))(q, k, v)
 
 
 @pytest.mark.parametrize("framework", ["nnx", "haiku"])

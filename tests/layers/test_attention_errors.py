@@ -9,7 +9,6 @@ import pytest
 from layers_testlib import FRAMEWORKS, TOKENS, build, config
 
 import layers
-from layers import _attention as A
 from layers import _core
 
 
@@ -72,38 +71,38 @@ Q, K, V = _qkv()
 @pytest.mark.parametrize("implementation", ["auto", "xla", "blockwise"])
 def test_attention_inputs_that_do_not_fit_together_are_named(args, says, implementation):
   if says is None:
-    out = _core.dot_product_attention(*args, A.Mask(), implementation=implementation)
+    out = _core.dot_product_attention(*args, layers.Mask(), implementation=implementation)
     assert out.shape == Q.shape
     return
-  with pytest.raises(A.AttentionError, match="do not fit") as e:
-    _core.dot_product_attention(*args, A.Mask(), implementation=implementation)
+  with pytest.raises(layers.AttentionError, match="do not fit") as e:
+    _core.dot_product_attention(*args, layers.Mask(), implementation=implementation)
   assert says in str(e.value)
 
 
 @pytest.mark.parametrize("mask,says", [
-    (A.Mask(valid=jnp.ones((2, 5), bool)), "mask.valid has shape (2, 5); expected (2, 8)"),
-    (A.Mask(lengths=jnp.ones((3,), jnp.int32)), "mask.lengths has shape (3,); expected (2,)"),
-    (A.Mask(lengths=jnp.ones((2,))), "mask.lengths has dtype float32"),
-    (A.Mask(segment_ids=jnp.ones((2, 8, 1), jnp.int32)),
+    (layers.Mask(valid=jnp.ones((2, 5), bool)), "mask.valid has shape (2, 5); expected (2, 8)"),
+    (layers.Mask(lengths=jnp.ones((3,), jnp.int32)), "mask.lengths has shape (3,); expected (2,)"),
+    (layers.Mask(lengths=jnp.ones((2,))), "mask.lengths has dtype float32"),
+    (layers.Mask(segment_ids=jnp.ones((2, 8, 1), jnp.int32)),
      "mask.segment_ids has shape (2, 8, 1); expected (2, 8)"),
     (jnp.ones((3, 1, 8, 8), bool), "the dense mask has shape (3, 1, 8, 8)"),
 ])
 def test_a_mask_that_does_not_fit_the_queries_is_named(mask, says):
-  implementation = "xla" if not isinstance(mask, A.Mask) else "blockwise"
-  with pytest.raises(A.AttentionError, match="do not fit") as e:
+  implementation = "xla" if not isinstance(mask, layers.Mask) else "blockwise"
+  with pytest.raises(layers.AttentionError, match="do not fit") as e:
     _core.dot_product_attention(Q, K, V, mask, implementation=implementation)
   assert says in str(e.value)
 
 
 def test_a_padding_mask_across_queries_and_keys_of_different_lengths_is_refused():
   q, k, v = _qkv(length=4, kv_length=8)
-  with pytest.raises(A.AttentionError, match="one valid array for queries and keys"):
-    _core.dot_product_attention(q, k, v, A.Mask(valid=jnp.ones((2, 8), bool)),
+  with pytest.raises(layers.AttentionError, match="one valid array for queries and keys"):
+    _core.dot_product_attention(q, k, v, layers.Mask(valid=jnp.ones((2, 8), bool)),
                                 implementation="xla")
   # Lengths count the same real tokens of both sides: legal.
-  out = _core.dot_product_attention(q, k, v, A.Mask(causal=False, lengths=jnp.array([3, 4])),
+  out = _core.dot_product_attention(q, k, v, layers.Mask(causal=False, lengths=jnp.array([3, 4])),
                                     implementation="blockwise", block=4)
-  ref = _core.dot_product_attention(q, k, v, A.Mask(causal=False, lengths=jnp.array([3, 4])),
+  ref = _core.dot_product_attention(q, k, v, layers.Mask(causal=False, lengths=jnp.array([3, 4])),
                                     implementation="xla")
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
 
@@ -111,8 +110,8 @@ def test_a_padding_mask_across_queries_and_keys_of_different_lengths_is_refused(
 @pytest.mark.parametrize("block", [0, -4, 2.5, True])
 @pytest.mark.parametrize("fn", ["dot_product_attention", "blockwise_attention"])
 def test_a_block_that_is_not_a_positive_int_is_named(fn, block):
-  with pytest.raises(A.AttentionError, match=f"block={block!r} must be a positive int"):
+  with pytest.raises(layers.AttentionError, match=f"block={block!r} must be a positive int"):
     if fn == "blockwise_attention":
-      A.blockwise_attention(Q, K, V, A.Mask(), block=block)
+      layers.blockwise_attention(Q, K, V, layers.Mask(), block=block)
     else:
-      A.dot_product_attention(Q, K, V, A.Mask(), implementation="blockwise", block=block)
+      layers.dot_product_attention(Q, K, V, layers.Mask(), implementation="blockwise", block=block)

@@ -51,7 +51,7 @@ def _cached_logits(params, cfg, tokens, prompt):
   """Logits at every position: prefill ``tokens[:, :prompt]``, then one decode step per
   remaining token (teacher forcing)."""
   b, n = tokens.shape
-  cache = _decode.init_cache(cfg, b, n)
+  cache = layers.init_cache(cfg, b, n)
   logits, cache = _decode.prefill(params, tokens[:, :prompt], cache, cfg)
   out = [logits]
   step = jax.jit(lambda p, t, pos, c: _decode.decode_step(p, t, pos, c, cfg),
@@ -144,7 +144,7 @@ def test_cache_is_created_in_its_shards_with_the_analytic_bytes():
   cfg = _config(scan_layers=True, num_kv_heads=2)
   mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
   rules = preset_rules("fsdp_tp")
-  cache = _decode.init_cache(cfg, 8, 16, rules=rules, mesh=mesh)
+  cache = layers.init_cache(cfg, 8, 16, rules=rules, mesh=mesh)
   P = jax.sharding.PartitionSpec
   assert cache.k.sharding.spec == P(None, ("data", "fsdp"), None, "tensor", None)
   # On paper: (layers, batch / (data x fsdp), length, kv_heads / tensor, head_dim) floats.
@@ -152,7 +152,7 @@ def test_cache_is_created_in_its_shards_with_the_analytic_bytes():
   shards = [s for x in (cache.k, cache.v) for s in x.addressable_shards
             if s.device == mesh.devices.flat[0]]
   assert sum(s.data.nbytes for s in shards) == per_device
-  assert _decode.cache_bytes_per_device(cfg, 8, 16, rules=rules, mesh=mesh) == per_device
+  assert layers.cache_bytes_per_device(cfg, 8, 16, rules=rules, mesh=mesh) == per_device
   # Never whole on one device: every shard holds a quarter of the rows and half the heads.
   assert all(s.data.shape == (2, 2, 16, 1, 8) for s in cache.k.addressable_shards)
 
@@ -270,7 +270,7 @@ def test_bad_prompts_and_stop_tokens_are_named():
 def test_analytic_cache_bytes_formula():
   cfg = _config(num_layers=3)
   mesh = make_mesh((8,), ("data",), AxisType.Auto)
-  got = _decode.cache_bytes_per_device(cfg, 16, 10, rules=preset_rules("data_parallel"),
+  got = layers.cache_bytes_per_device(cfg, 16, 10, rules=preset_rules("data_parallel"),
                                        mesh=mesh)
   assert got == 3 * 2 * math.prod((16 // 8, 10, 2, 8)) * 4
 

@@ -17,7 +17,7 @@ from layers_testlib import FRAMEWORKS, FSDP_TP, MESH, TARGETS, TOKENS, build, co
 
 import layers
 import partition
-from layers._loss import chunked_cross_entropy
+from layers import chunked_cross_entropy
 from layers._params import LayerArgumentError
 
 
