@@ -33,6 +33,7 @@ MAXTEXT = "github.com/AI-Hypercomputer/maxtext at e591f30"
 A3_README = f"{MAXTEXT}, src/maxtext/configs/gpu/a3/llama_2_7b/README.md and 1vm.sh..16vm.sh"
 V5P_README = f"{MAXTEXT}, src/maxtext/configs/tpu/v5p/README.md and 32b.sh / 64b.sh / 128b.sh"
 V5E_README = f"{MAXTEXT}, src/maxtext/configs/tpu/v5e/README.md and 16b.sh .. 128b.sh"
+V4_README = f"{MAXTEXT}, src/maxtext/configs/tpu/v4/README.md and 22b.sh / 52b.sh"
 TIERING = (f"{MAXTEXT}, docs/reference/models/tiering.md; configs: "
            "benchmarks/maxtext_trillium_model_configs.py, maxtext_v5p_model_configs.py")
 H200_ROW = ("measured on one H200, jax 0.11.2 (/work/shared/device/README.md, the "
@@ -104,6 +105,14 @@ LLAMA2_70B = dict(LLAMA2_7B, embed_dim=8192, mlp_dim=28672, num_heads=64, num_kv
                   num_layers=80)
 LLAMA31_8B = dict(LLAMA2_7B, vocab_size=128256, mlp_dim=14336, num_kv_heads=8)
 LLAMA31_70B = dict(LLAMA2_70B, vocab_size=128256)
+LLAMA31_405B = dict(LLAMA31_70B, embed_dim=16384, mlp_dim=53248, num_heads=128,
+                    num_layers=126)
+# MaxText's v4 scripts: base.yml with explicit dims (head_dim 128, so 24 x 128 = 3072 < D)
+V4_22B = dict(vocab_size=32000, embed_dim=6144, mlp_dim=24576, num_heads=24, num_kv_heads=24,
+              head_dim=128, num_layers=48, dtype="bfloat16", param_dtype="float32",
+              tie_embeddings=False)
+V4_52B = dict(V4_22B, embed_dim=12288, mlp_dim=49152, num_heads=32, num_kv_heads=32,
+              num_layers=32)
 OURS_1B = dict(vocab_size=32768, embed_dim=2048, mlp_dim=8192, num_heads=16, num_kv_heads=8,
                head_dim=128, num_layers=16, dtype="bfloat16", param_dtype="float32",
                tie_embeddings=True)
@@ -142,6 +151,16 @@ def _v5e(scale: int, slices: int, batch: int, remat: str, tflops: float, mfu: st
              f"{tflops} TFLOP/s/chip, {mfu} MFU", V5E_README, role)
 
 
+def _v4(name: str, model: dict[str, Any], slices: int, chips: int, batch: int, tflops: float,
+        mfu: str, role: str) -> Row:
+  """MaxText's v4 rows: pure FSDP inside a slice (``ici_fsdp_parallelism``), data parallel
+  over slices, ``remat_policy=full``, ``attention=flash``, sequences of 2048."""
+  return Row(f"v4-{name}-{slices}x{2 * chips}", "tpu-v4", chips * slices, slices, "fsdp",
+             {"data": slices, "fsdp": chips}, model, 2048, batch, "full", "pallas",
+             maxtext_seconds(tflops, model, 2048, batch), f"{tflops} TFLOP/s/chip, {mfu} MFU",
+             V4_README, role)
+
+
 def _tiering(name: str, chip: str, chips: int, model: dict, seq: int, batch: int, remat: str,
              tokens_per_s: float, mfu: str, role: str) -> Row:
   return Row(name, chip, chips, 1, "fsdp", {"data": 1, "fsdp": chips}, model, seq, batch,
@@ -174,6 +193,19 @@ ROWS: dict[str, Row] = {r.name: r for r in (
              "holdout"),
     _tiering("v5p-llama2-70b", "tpu-v5p", 512, LLAMA2_70B, 4096, 4, "save_dot_except_mlpwi",
              692, "65.4 %", "holdout"),
+    # The tiering table's "256 Chips" row links llama3_1_405b_8192_fsdp_dcn, which runs on
+    # two v6e-256 slices: ici_fsdp 64 x ici_tensor 4 x dcn_fsdp 2, one fsdp axis of 128
+    # across both (hybrid); per-device tokens/s does not depend on the count.
+    Row("v6e-llama3.1-405b", "tpu-v6e", 512, 2, "fsdp_tp", {"data": 1, "fsdp": 128,
+                                                           "tensor": 4},
+        LLAMA31_405B, 8192, 1, "save_qkv_out", "pallas", 8192 / 123,
+        "123 tokens/s/chip, 38.55 % MFU", TIERING, "holdout"),
+    _v4("22b", V4_22B, 1, 64, 13, 156, "56.7 %", "fit"),
+    _v4("22b", V4_22B, 2, 64, 13, 152, "55.2 %", "holdout"),
+    _v4("22b", V4_22B, 4, 64, 13, 149, "54.3 %", "holdout"),
+    _v4("22b", V4_22B, 8, 64, 13, 146, "53.2 %", "holdout"),
+    _v4("52b", V4_52B, 1, 192, 7, 154, "56.0 %", "holdout"),
+    _v4("52b", V4_52B, 2, 192, 7, 162, "58.9 %", "holdout"),
 )}
 
 
@@ -246,7 +278,8 @@ def predict(row: Row, chip: chips_lib.Chip | None = None) -> Prediction:
 # What each fit row sets: (chip, Calibration field, rows it is fitted on). A TPU's matmul
 # efficiency is solved so its row is predicted exactly; the GPU knee minimises the largest
 # error over its two rows (one cannot be matched without missing the other by more).
-FITS = (("tpu-v5p", "matmul_efficiency", ("v5p-32b-1x128",)),
+FITS = (("tpu-v4", "matmul_efficiency", ("v4-22b-1x128",)),
+        ("tpu-v5p", "matmul_efficiency", ("v5p-32b-1x128",)),
         ("tpu-v5e", "matmul_efficiency", ("v5e-32b-1x256",)),
         ("tpu-v6e", "matmul_efficiency", ("v6e-llama3.1-8b",)),
         ("h100", "matmul_knee", ("h200-1b-cudnn-reference", "a3-llama2-7b-1node")))

@@ -205,12 +205,14 @@ GPU_MATMUL_KNEE = 1700.0
 TPU_OP_OVERHEAD = 1e-6
 MAXTEXT = ("MaxText (github.com/AI-Hypercomputer/maxtext at e591f30), "
            "src/maxtext/configs/tpu/{v5e,v5p}/README.md and docs/reference/models/tiering.md")
+MAXTEXT_V4 = ("MaxText (github.com/AI-Hypercomputer/maxtext at e591f30), "
+              "src/maxtext/configs/tpu/v4/README.md")
 _TPU_DCN_PER_HOST = 2.5e10
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # TPUs: the Scaling Book's tables. Hosts hold 4 chips (v4, v5p: 2x2x1) or 8 (v5e, v6e: 4x2).
     Chip("tpu-v4", 2.75e14, 32e9, 1.2e12, 9e10, 3, 4096, _TPU_DCN_PER_HOST / 4,
-         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.76, "assumed: v5p's (no published v4 row "
-                                                   "used here)", band=0.3)),
+         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.72, "fitted to " + MAXTEXT_V4 + ": v4-128, "
+                                                  "22B, 56.7 % MFU")),
     Chip("tpu-v5e", 1.97e14, 16e9, 8.1e11, 9e10, 2, 256, _TPU_DCN_PER_HOST / 8,
          SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.88, "fitted to " + MAXTEXT + ": v5e-256, "
                                                   "32B, 66.86 % MFU", band=0.22)),

@@ -71,6 +71,11 @@ RECOMPUTE: dict[str, tuple[tuple[str, ...], bool | None, bool]] = {
     "save_qkv": (("out", "mlp_in"), True, True),  # custom: q, k, v saved
     "qkv_proj_offloaded": (("out", "mlp_in"), True, True),
 }
+# MaxText's policies that offload what they save to host memory (its ``custom`` policy with
+# ``*_proj: offload``; ``qkv_proj_offloaded``), and whether the block input goes too
+# (``decoder_layer_input: offload``); what they keep is off the HBM. The transfers run over
+# PCIe alongside the compute and are not priced (MaxText schedules them asynchronously).
+OFFLOADED = {"save_qkv_out": True, "save_qkv": True, "qkv_proj_offloaded": False}
 # kernels per block, per micro-batch: forward (norms, QKV, RoPE, attention, output, adds,
 # MLP in, SwiGLU, MLP out) and backward (about twice as many); xla attention adds its
 # softmax, mask and cast kernels.
@@ -117,6 +122,8 @@ class StepShape:
     gathered_params: parameter elements this device multiplies per pass (after FSDP gathers).
     remat, attention: the policy and the resolved implementation.
     causal: the mask is causal (fused kernels skip its masked half).
+    chunked_loss: the cross-entropy is chunked (``model.loss_chunk``): the backward reruns
+      the logits matmul chunk by chunk.
   """
 
   rows: float
@@ -137,6 +144,7 @@ class StepShape:
   remat: str
   attention: str
   causal: bool = True
+  chunked_loss: bool = False
 
   @property
   def tokens(self) -> float:
@@ -260,7 +268,8 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
           "overhead": k * L * ops["forward"] * c.op_overhead_s,
       },
       "backward": {
-          "matmul": k * (L * (2 * sum(mm.values()) + recompute_mm) + 2 * head),
+          "matmul": k * (L * (2 * sum(mm.values()) + recompute_mm)
+                         + (3 if s.chunked_loss else 2) * head),
           "attention": k * L * (attn["backward"] + recompute_attn),
           "elementwise": k * L * elem * (2 + (1 if redo_elementwise else 0)),
           "logits": k * T * s.vocab * (4 * 2 + a) / hbm,   # softmax - onehot, cast
@@ -289,7 +298,7 @@ def executed_flops(s: StepShape) -> float:
   redo, _, _ = RECOMPUTE[s.remat]
   layer = 3 * sum(mms.values()) + sum(mms[n] for n in redo) + 3 * attn + (
       attn if _recomputes_attention(s) else 0.0)
-  return k * (L * layer + 3 * head)
+  return k * (L * layer + (4 if s.chunked_loss else 3) * head)
 
 
 def model_flops_per_token(embed: int, heads: int, kv_heads: int, head_dim: int, mlp: int,

@@ -15,10 +15,12 @@ device per micro-batch, ``a`` bytes per activation element):
   plus one block's working set; ``dots`` every matmul output; ``none`` what each op's
   backward needs (fp32 norm values, matmul inputs, q/k/v, SwiGLU's operands); XLA
   attention's scores by policy (:func:`_score_bytes`; a fused kernel keeps none); the
-  logits in the compute dtype and fp32 with their gradient; compute-dtype copies of wider
-  parameters;
+  logits in the compute dtype and fp32 with their gradient (one chunk's with
+  ``model.loss_chunk``); weight copies (:func:`_weight_copies`: compute-dtype casts of the
+  weights held whole, one FSDP-gathered layer at a time, every layer's under remat ``none``);
 * FLOPs: ``2 P_matmul`` per token forward plus attention ``4 s H d_head`` per token per
-  layer; backward twice that; full remat reruns the forward inside the backward;
+  layer; backward twice that; full remat reruns the forward inside the backward, the chunked
+  loss its logits matmul;
 * collectives: a parameter sharded over a batch axis (FSDP) is all-gathered in the forward
   and again in the backward and its gradient reduce-scattered once per micro-batch; one
   replicated over a batch axis has its gradient all-reduced once per step; axes that shard
@@ -180,7 +182,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     comm_t[phase][key] = comm_t[phase].get(key, 0.0) + t
 
   stages = _layer_axes(rules, amesh, model.num_layers)
-  local = gathered = matmul_params = 0.0
+  local = gathered = gathered_layers = matmul_params = 0.0
   tensor_axes: set[str] = set()
   untied = any(p.path.endswith("lm_head/kernel") for p in params)
   for p in params:
@@ -192,6 +194,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     local += nbytes / size(shard)
     full = nbytes / size(shard - set(fsdp))      # this device's slice once gathered
     gathered += full
+    if fsdp and p.axes and "layers" in p.axes:   # gathered one layer at a time in the scan
+      gathered_layers += full
     if len(p.shape) >= 2:
       if not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
         matmul_params += math.prod(p.shape)
@@ -226,14 +230,20 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   saved_scores, temp_scores = _score_bytes(remat, impl, a)
   scores_per_token = heads * seq_len          # score elements per query token and block
   attention_temp = tokens * scores_per_token * (temp_scores + local_layers * saved_scores)
-  # logits: the compute-dtype matmul output, its fp32 copy, softmax and gradient
-  logits = tokens * vocab * (4 * 3 + a)
+  # logits: the compute-dtype matmul output, its fp32 copy, softmax and gradient, for the
+  # whole micro-batch or one chunk of the chunked cross-entropy (model.loss_chunk)
+  chunk = getattr(c, "loss_chunk", 0) or 0
+  logit_tokens = rows_mb * _loss_chunk_tokens(chunk, seq_len) / size(seq) if chunk else tokens
+  logits = logit_tokens * vocab * (4 * 3 + a)
   acts = tokens * (local_layers * per_token[0] + per_token[1]) + attention_temp + logits
-  grads = local * (2 if k > 1 else 1)
-  # parameters stored wider than the compute dtype: the cast copies the backward reuses
-  casts = gathered / _param_itemsize(params) * a if _param_itemsize(params) > a else 0.0
+  # the gradient, plus a second copy where it is reduced over devices (the all-reduce or
+  # reduce-scatter writes a new buffer: CPU compiles, 8 devices, data_parallel and FSDP, 4 to
+  # 16 layers) or accumulated over micro-batches
+  grads = local * (2 if k > 1 or size(rows) * size(seq) > 1 else 1)
+  weights = _weight_copies(gathered, gathered_layers, local_layers, remat, a,
+                           _param_itemsize(params))
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
-            "activations": acts + casts,
+            "activations": acts + weights,
             "batch": 3 * 4 * batch * seq_len / size(rows) / size(seq)}
   memory["total"] = sum(memory.values())
 
@@ -242,6 +252,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   attn_flops = 4 * seq_len * c.num_heads * hd * L
   forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
+  if chunk:   # the chunked loss reruns each chunk's logits matmul in the backward
+    recompute += 2 * d * c.vocab_size * total_tokens
   flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
   act_traffic = acts - logits - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
@@ -261,7 +273,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
       rows=rows_mb, seq_q=seq_q, seq_k=seq_len, embed=d, heads=heads, kv_heads=kv,
       head_dim=hd, mlp=mlp * experts, vocab=vocab, layers=local_layers, microbatches=k,
       act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
-      gathered_params=gathered_elems, remat=remat, attention=impl)
+      gathered_params=gathered_elems, remat=remat, attention=impl, chunked_loss=bool(chunk))
   terms = cost_model.step_terms(shape, chip)
   m = getattr(c, "pipeline_microbatches", 0) or p_stages
   r = getattr(c, "pipeline_repeats", 1)
@@ -276,6 +288,29 @@ def _layer_axes(rules, amesh, num_layers: int) -> tuple[str, ...]:
   stages), ``()`` when the rules keep the layers whole."""
   dims = _spec_axes(rules.spec(("layers",), (num_layers,), amesh))
   return tuple(ax for d in dims for ax in d if amesh.shape[ax] > 1)
+
+
+def _loss_chunk_tokens(chunk: int, seq_len: int) -> int:
+  """Tokens of each row one step of the chunked cross-entropy holds (``layers``'
+  ``chunked_cross_entropy``: ``ceil(L / chunk)`` steps of ``ceil(L / steps)`` tokens)."""
+  steps = -(-seq_len // chunk)
+  return -(-seq_len // steps)
+
+
+def _weight_copies(gathered: float, gathered_layers: float, layers: float, remat: str, a: int,
+                   itemsize: int) -> float:
+  """Bytes of weight copies beyond the parameter shards: the compute-dtype casts of the
+  weights a device holds whole (replicated or tensor-sharded: one copy the backward
+  reuses), and for FSDP-sharded stacked layers (``gathered_layers``: their gathered bytes,
+  all layers) one layer's gathered weights and its unreduced gradient at a time, the scan
+  gathering each layer when it runs; under remat ``none`` the backward keeps every layer's
+  gathered weights (the matmuls' saved inputs), where other policies gather them again.
+  (Compiled on CPU, 8 devices, FSDP=8, 4 to 16 layers: ``2 x`` a gathered layer fixed, and
+  under ``none`` one gathered layer more per layer.)"""
+  whole = gathered - gathered_layers
+  casts = whole / itemsize * a if itemsize > a else 0.0
+  per_layer = gathered_layers / max(layers, 1.0)
+  return casts + 2 * per_layer + (gathered_layers if remat == "none" else 0.0)
 
 
 def _param_itemsize(params: Sequence[ParamShape]) -> int:
@@ -326,10 +361,14 @@ def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: fl
     (QKV, the attention output, both output projections, the MLP's two up-projections)
     and the block input;
   * ``full`` / ``nothing_saveable``: the block input, and one block's ``none`` set while its
-    backward runs.
+    backward runs;
+  * MaxText's host-offloading policies (:data:`recipes.cost_model.OFFLOADED`): the block
+    input unless it is offloaded too, and one block's ``none`` set.
   """
   none = 16 * d + a * (2 * d + 2 * heads * hd + 2 * kv * hd + 4 * mlp)
   dots = a * (heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d)
+  if remat in cost_model.OFFLOADED:
+    return (0.0 if cost_model.OFFLOADED[remat] else a * d), none
   redo = cost_model.RECOMPUTE.get(remat, ((), False, False))[0]
   if remat in ("full", "nothing_saveable") or redo == cost_model.RERUN:
     return a * d, none

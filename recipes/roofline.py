@@ -15,7 +15,8 @@ big to compile for here, estimates them, see :mod:`recipes.plan`); only the *tim
 * collectives on different mesh-axis groups run one after another within a phase (their
   times add); a collective over several axes uses all of their links at once (bandwidths
   add: the book's ``n_axes``); an axis that spans hosts (``--hosts``) runs at DCN speed, and
-  a collective over ICI and DCN axes is hierarchical (ICI first, then DCN on 1/n_ICI of it).
+  a collective over ICI and DCN axes is hierarchical (ICI first, then DCN on 1/n_ICI of it);
+  so is one over an axis that spans hosts with part of it inside each (:class:`AxisLink`).
 
 Ring collectives: per device and per call, an all-reduce of ``S`` bytes over ``n`` devices
 sends ``2 S (n-1)/n``, an all-gather or reduce-scatter (``S`` = the full array) ``S (n-1)/n``.
@@ -46,10 +47,18 @@ def wire_bytes(kind: str, full_bytes: float, n: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class AxisLink:
-  """The bandwidth one device has along one mesh axis."""
+  """The bandwidth one device has along one mesh axis.
 
-  bandwidth: float   # bytes/s one device sends along the axis
+  An axis larger than the number of domains it spans is *hybrid* (MaxText's
+  ``dcn_fsdp_parallelism=2`` x ``ici_fsdp_parallelism=64``: one ``fsdp`` axis of 128 over two
+  slices): ``hosts`` of its factors cross the DCN at ``dcn_bandwidth``, the rest stay inside
+  a domain at ``bandwidth``, and its collectives are hierarchical like a collective over an
+  ICI axis and a DCN axis."""
+
+  bandwidth: float   # bytes/s one device sends along the axis (a hybrid axis: its ICI part)
   dcn: bool          # the axis spans hosts / slices (data-centre network)
+  hosts: int = 0     # a hybrid axis: the domains it spans (its DCN factor); 0: not hybrid
+  dcn_bandwidth: float = 0.0   # a hybrid axis: its DCN factor's bytes/s per device
 
 
 def axis_links(mesh: Mapping[str, int], chip: Chip, hosts: int = 1) -> dict[str, AxisLink]:
@@ -68,47 +77,65 @@ def axis_links(mesh: Mapping[str, int], chip: Chip, hosts: int = 1) -> dict[str,
   """
   links: dict[str, AxisLink] = {}
   span = max(1, hosts)
-  ici = []
+  ici, hybrid = [], {}
   for name, size in mesh.items():
     if span > 1 and size > 1:
-      links[name] = AxisLink(chip.dcn_bandwidth, True)
-      span = max(1, span // size)
+      if size > span and size % span == 0:   # part of it inside each domain
+        hybrid[name] = span
+        ici.append(name)
+        span = 1
+      else:
+        links[name] = AxisLink(chip.dcn_bandwidth, True)
+        span = max(1, span // size)
     else:
       ici.append(name)
-  busy = sorted((a for a in ici if mesh[a] > 1), key=lambda a: -mesh[a])
+  inner = {a: mesh[a] // hybrid.get(a, 1) for a in ici}
+  busy = sorted((a for a in ici if inner[a] > 1), key=lambda a: -inner[a])
   dims = dict.fromkeys(ici, 1)
   for i in range(max(0, chip.torus_dims - len(busy))):
     if busy:
       dims[busy[i % len(busy)]] += 1
   for name in ici:
-    links[name] = AxisLink(chip.ici_bandwidth * dims[name], False)
-  return links
+    bandwidth = chip.ici_bandwidth * dims[name]
+    links[name] = (AxisLink(bandwidth, True, hybrid[name], chip.dcn_bandwidth)
+                   if name in hybrid else AxisLink(bandwidth, False))
+  return {name: links[name] for name in mesh}
 
 
 def collective_seconds(axes: tuple[str, ...], kind: str, full_bytes: float,
                        mesh: Mapping[str, int], links: Mapping[str, AxisLink]) -> float:
   """Seconds for one ``kind`` collective of ``full_bytes`` over the mesh axes ``axes``."""
-  ici = [a for a in axes if not links[a].dcn]
-  dcn = [a for a in axes if links[a].dcn]
-  n_ici = math.prod(mesh[a] for a in ici)
-  n_dcn = math.prod(mesh[a] for a in dcn)
+  n_ici, n_dcn, ici_bandwidth, dcn_bandwidth = 1, 1, 0.0, []
+  for a in axes:
+    link, n = links[a], mesh[a]
+    if link.hosts:                       # hybrid: its inner factor on ICI, the rest on DCN
+      n_ici, n_dcn = n_ici * (n // link.hosts), n_dcn * link.hosts
+      ici_bandwidth += link.bandwidth
+      dcn_bandwidth.append(link.dcn_bandwidth)
+    elif link.dcn:
+      n_dcn *= n
+      dcn_bandwidth.append(link.bandwidth)
+    else:
+      n_ici *= n
+      ici_bandwidth += link.bandwidth
   t = 0.0
   if n_ici > 1:
-    t += wire_bytes(kind, full_bytes, n_ici) / sum(links[a].bandwidth for a in ici)
+    t += wire_bytes(kind, full_bytes, n_ici) / ici_bandwidth
   if n_dcn > 1:
-    t += wire_bytes(kind, full_bytes / n_ici, n_dcn) / min(links[a].bandwidth for a in dcn)
+    t += wire_bytes(kind, full_bytes / n_ici, n_dcn) / min(dcn_bandwidth)
   return t
 
 
 def wire_seconds(axes: tuple[str, ...], wire: float, mesh: Mapping[str, int],
                  links: Mapping[str, AxisLink]) -> float:
-  """Seconds to send ``wire`` bytes (already ring bytes per device) over the group ``axes``;
-  for measured bytes, whose array size is not kept: the slowest link kind of the group
-  bounds it (a DCN axis in the group: DCN bandwidth)."""
-  if not axes or wire <= 0:
+  """Seconds to send ``wire`` bytes (already ring bytes per device, as measured from a
+  compile, whose array size is not kept) over the group ``axes``: the ring collective that
+  sends them (``S (n-1)/n`` for an ``S``-byte array over the group's ``n`` devices), run
+  hierarchically as :func:`collective_seconds` runs it, ICI first, then DCN on ``1/n_ICI``."""
+  n = math.prod(mesh[a] for a in axes)
+  if not axes or wire <= 0 or n <= 1:
     return 0.0
-  dcn = [links[a].bandwidth for a in axes if links[a].dcn]
-  return wire / (min(dcn) if dcn else sum(links[a].bandwidth for a in axes))
+  return collective_seconds(axes, "all-gather", wire * n / (n - 1), mesh, links)
 
 
 @dataclasses.dataclass(frozen=True)

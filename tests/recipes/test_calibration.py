@@ -45,7 +45,7 @@ def test_holdouts_exist_on_every_calibrated_chip(table):
   """The model is checked on rows it was not fitted on, on each chip that has a fit row."""
   fitted = {p.row.chip for p in table if p.row.role == "fit"}
   held = {p.row.chip for p in table if p.row.role == "holdout"}
-  assert {"h100", "tpu-v5p", "tpu-v5e", "tpu-v6e"} <= fitted
+  assert {"h100", "tpu-v4", "tpu-v5p", "tpu-v5e", "tpu-v6e"} <= fitted
   assert fitted - {"h200"} <= held
 
 

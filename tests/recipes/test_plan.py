@@ -142,6 +142,27 @@ def test_dcn_axis_and_hierarchical_collective():
   assert t == pytest.approx(2 * 1600 * 7 / 8 / (3 * 1.8e11) + 2 * 200 * 1 / 2 / (2.5e10 / 4))
 
 
+def test_an_axis_across_hosts_and_inside_them_is_hierarchical():
+  """MaxText's dcn_fsdp=2 x ici_fsdp=64: one fsdp axis of 128 over two slices costs what a
+  DCN axis of 2 and an ICI axis of 64 cost (it was priced all at DCN speed, 9x too slow)."""
+  chip = chips.get_chip("v6e")
+  hybrid = {"data": 1, "fsdp": 128, "tensor": 4}
+  split = {"dcn": 2, "fsdp": 64, "tensor": 4}
+  links = roofline.axis_links(hybrid, chip, hosts=2)
+  split_links = roofline.axis_links(split, chip, hosts=2)
+  assert links["fsdp"].dcn and links["fsdp"].hosts == 2
+  assert not links["tensor"].dcn and not split_links["fsdp"].dcn
+  for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+    assert roofline.collective_seconds(("fsdp",), kind, 1e9, hybrid, links) == pytest.approx(
+        roofline.collective_seconds(("dcn", "fsdp"), kind, 1e9, split, split_links))
+  # by hand: 63/64 of 1 GB over 1 ICI link, then 1/64 of it halved over DCN
+  t = roofline.collective_seconds(("fsdp",), "all-gather", 1e9, hybrid, links)
+  assert t == pytest.approx(1e9 * 63 / 64 / 1.8e11 + 1e9 / 64 / 2 / (2.5e10 / 8))
+  # measured ring bytes of the same gather give the same seconds
+  wire = roofline.wire_bytes("all-gather", 1e9, 128)
+  assert roofline.wire_seconds(("fsdp",), wire, hybrid, links) == pytest.approx(t)
+
+
 # -- candidates and CLI errors ---------------------------------------------------------------
 
 
