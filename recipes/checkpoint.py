@@ -18,12 +18,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition.internal import needs_extra
+from partition.internal import path_str as path_of
 
 with needs_extra("recipes", by="recipes.checkpoint"):
   import orbax.checkpoint as ocp
 
 import partition
-from partition import path_str as path_of
 
 
 def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:
