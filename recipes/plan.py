@@ -82,8 +82,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--chip", help=f"chip kind: {', '.join(sorted(chips_lib.CHIPS))}")
   parser.add_argument("--hosts", type=int, default=None, metavar="H",
                       help="high-bandwidth domains (TPU slices / GPU nodes) the chips form; "
-                           "the outermost mesh axes that span them run at DCN speed "
-                           "(default: N / the chip's domain size, rounded up)")
+                           "the outermost mesh axes that span them run at DCN speed, an "
+                           "axis larger than the domains it spans is hierarchical (ICI "
+                           "inside each, DCN across) (default: N / the chip's domain size, "
+                           "rounded up)")
   parser.add_argument("--ici-dims", type=int, default=None, metavar="D",
                       help="torus dimensions the slice uses (default: the chip's, 3 for "
                            "v4/v5p, 2 for v5e/v6e); 1 models a one-axis ring, as the Scaling "
