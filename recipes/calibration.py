@@ -107,10 +107,12 @@ LLAMA31_8B = dict(LLAMA2_7B, vocab_size=128256, mlp_dim=14336, num_kv_heads=8)
 LLAMA31_70B = dict(LLAMA2_70B, vocab_size=128256)
 LLAMA31_405B = dict(LLAMA31_70B, embed_dim=16384, mlp_dim=53248, num_heads=128,
                     num_layers=126)
-# MaxText's v4 scripts: base.yml with explicit dims (head_dim 128, so 24 x 128 = 3072 < D)
+# MaxText's v4 scripts: base.yml with explicit dims (head_dim 128, so 24 x 128 = 3072 < D);
+# num_vocab_tiling=8 tiles the logits along the batch-sequence axis, as layers'
+# loss_chunk does: 2048 / 8 = 256 tokens of each row at a time
 V4_22B = dict(vocab_size=32000, embed_dim=6144, mlp_dim=24576, num_heads=24, num_kv_heads=24,
               head_dim=128, num_layers=48, dtype="bfloat16", param_dtype="float32",
-              tie_embeddings=False)
+              tie_embeddings=False, loss_chunk=256)
 V4_52B = dict(V4_22B, embed_dim=12288, mlp_dim=49152, num_heads=32, num_kv_heads=32,
               num_layers=32)
 OURS_1B = dict(vocab_size=32768, embed_dim=2048, mlp_dim=8192, num_heads=16, num_kv_heads=8,

@@ -211,7 +211,7 @@ _TPU_DCN_PER_HOST = 2.5e10
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # TPUs: the Scaling Book's tables. Hosts hold 4 chips (v4, v5p: 2x2x1) or 8 (v5e, v6e: 4x2).
     Chip("tpu-v4", 2.75e14, 32e9, 1.2e12, 9e10, 3, 4096, _TPU_DCN_PER_HOST / 4,
-         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.72, "fitted to " + MAXTEXT_V4 + ": v4-128, "
+         SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.73, "fitted to " + MAXTEXT_V4 + ": v4-128, "
                                                   "22B, 56.7 % MFU")),
     Chip("tpu-v5e", 1.97e14, 16e9, 8.1e11, 9e10, 2, 256, _TPU_DCN_PER_HOST / 8,
          SCALING_BOOK_TPUS, "tpu", _tpu_cal(0.88, "fitted to " + MAXTEXT + ": v5e-256, "

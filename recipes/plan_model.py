@@ -9,7 +9,8 @@ Accounting, per device and per step (``k`` micro-batches, ``L`` layers, ``T`` to
 device per micro-batch, ``a`` bytes per activation element):
 
 * state: parameter shards, Adam's two moments (same dtype and sharding), the gradient, and
-  a gradient accumulator when ``k > 1``;
+  a second gradient copy when ``k > 1`` (the accumulator) or when the gradient is reduced
+  over devices (the reduction's output);
 * activations saved for the backward, per token and layer, by remat policy
   (:func:`_activations_per_token`): ``full`` / ``nothing_saveable`` keep the block input
   plus one block's working set; ``dots`` every matmul output; ``none`` what each op's
@@ -252,9 +253,9 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   attn_flops = 4 * seq_len * c.num_heads * hd * L
   forward = (2 * matmul_params + attn_flops) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
-  if chunk:   # the chunked loss reruns each chunk's logits matmul in the backward
-    recompute += 2 * d * c.vocab_size * total_tokens
-  flops = {"forward": forward / n, "backward": (2 * forward + recompute) / n}
+  # the chunked loss reruns each chunk's logits matmul in the backward
+  loss_rerun = 2 * d * c.vocab_size * total_tokens if chunk else 0.0
+  flops = {"forward": forward / n, "backward": (2 * forward + recompute + loss_rerun) / n}
   act_traffic = acts - logits - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k

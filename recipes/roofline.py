@@ -66,9 +66,12 @@ def axis_links(mesh: Mapping[str, int], chip: Chip, hosts: int = 1) -> dict[str,
   domains (TPU slices, GPU nodes) of ``N / hosts`` chips.
 
   The outermost axes (mesh order) span the hosts: an axis whose devices sit in different
-  domains runs at DCN speed. Inside a domain the torus dimensions are shared out: every ICI
-  axis of size > 1 gets one, and the rest go to the largest axes (so pure FSDP on a 3-D
-  v5p slice gets 3 links, FSDP + TP gets 2 + 1, as the Scaling Book assumes).
+  domains runs at DCN speed; one larger than the number of domains left to span, and a
+  multiple of it, is hybrid (:class:`AxisLink`: that many domains across, the rest inside
+  each); one larger but not a multiple stays all DCN. Inside a domain the torus dimensions
+  are shared out: every ICI axis of size > 1 gets one, and the rest go to the largest axes
+  (so pure FSDP on a 3-D v5p slice gets 3 links, FSDP + TP gets 2 + 1, as the Scaling Book
+  assumes).
 
   >>> from recipes.chips import get_chip
   >>> links = axis_links({'data': 2, 'fsdp': 64, 'tensor': 4}, get_chip('v5p'), hosts=2)

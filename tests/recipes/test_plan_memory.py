@@ -7,7 +7,9 @@ by hand.
 
 The activation-heavy configurations (long sequences with XLA attention) are not held to the
 same band: XLA:CPU fuses less than a GPU or TPU compiler and keeps more temporaries there
-(``docs/planning.md``, Memory).
+(``docs/planning.md``, Memory). Parameters are fp32 here: XLA:CPU computes a bf16 matmul in
+fp32 from converted copies of its operands, so with bf16 parameters its compile holds weight
+copies a GPU or TPU does not.
 """
 
 import pytest
