@@ -290,6 +290,12 @@ class Sampling:
       problems.append(f"top_k={self.top_k!r} must be an int >= 0 (0 = no top-k cut)")
     if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
       problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1.0 = no nucleus cut)")
+    if (_is_number(self.temperature) and self.temperature == 0
+        and ((_is_int(self.top_k) and self.top_k > 0)
+             or (_is_number(self.top_p) and 0 < self.top_p < 1))):
+      problems.append(f"top_k={self.top_k!r} / top_p={self.top_p!r} cut the distribution "
+                      "sampled from, but temperature=0 is greedy (argmax): set a "
+                      "temperature > 0 to sample, or leave top_k=0 and top_p=1.0")
     if not _is_int(self.seed):
       problems.append(f"seed={self.seed!r} must be an int")
     bad = [t for t in self.stop_tokens if not _is_int(t) or t < 0]

@@ -128,7 +128,36 @@ def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
     if item.partition("=")[0].strip() in ("init_from",):
       raise GenerateArgumentError("give either --checkpoint or init_from=DIR, not both")
   config = load_config(None, [*keys, *overrides])
+  _check_checkpoint_overrides(path, recorded, config)
   return Source(config, directory, step, meta, Codec.for_run(config))
+
+
+# Model fields a checkpoint's weights do not depend on: how the model runs, and how long a
+# sequence it is asked for (RoPE has no table in the weights).
+CHECKPOINT_FREE_FIELDS = ("dtype", "remat", "attention", "attention_block", "loss_chunk",
+                          "capacity_factor", "pipeline_microbatches", "pipeline_repeats",
+                          "max_len")
+
+
+def _check_checkpoint_overrides(path: str, recorded: dict[str, Any], config) -> None:
+  """Overrides that change what the checkpoint's weights are (the framework, a dimension,
+  the layer layout) cannot be generated with: the restore would fail deep inside."""
+  now = config.to_dict()
+  problems = []
+  if recorded.get("framework", now["framework"]) != now["framework"]:
+    problems.append(f"framework={now['framework']} here, {recorded['framework']} in the "
+                    "checkpoint (its weights are laid out for that framework)")
+  for key, value in recorded.get("model", {}).items():
+    if key not in CHECKPOINT_FREE_FIELDS and now["model"].get(key) != value:
+      problems.append(f"model.{key}={json.dumps(now['model'].get(key))} here, "
+                      f"{json.dumps(value)} in the checkpoint")
+  if problems:
+    raise GenerateArgumentError(
+        f"--checkpoint {path!r}: these overrides change the model the checkpoint holds: "
+        + "; ".join(problems) + ". Leave them out (the checkpoint's config is used), or "
+        f"change only how it runs ({', '.join('model.' + f for f in CHECKPOINT_FREE_FIELDS)})"
+        "; to run it in another framework, export it (python -m recipes.export) and "
+        "generate with init_from=DIR framework=...")
 
 
 def hf_source(overrides: Sequence[str]) -> Source:
@@ -298,7 +327,7 @@ def sampling_of(args: argparse.Namespace, codec: Codec):
   import layers
   stops = codec.eos if args.stop is None else tuple(
       i for s in args.stop for i in parse_ids(s))
-  n = args.max_new_tokens or codec.answer_length or 32
+  n = args.max_new_tokens if args.max_new_tokens is not None else codec.answer_length or 32
   return layers.Sampling(max_new_tokens=n, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=stops)
 
@@ -341,7 +370,23 @@ def generate(args: argparse.Namespace, out=None) -> Any:
                               where="recipes.generate")
   shown = [repr(p) for p in args.prompt] + [f"ids {t}" for t in args.tokens]
   print_result(shown, result, source.codec, out)
+  _note_cut_rows(prompts, result, sampling, config.model.max_len)
   return result
+
+
+def _note_cut_rows(prompts, result, sampling, max_len: int) -> None:
+  """Says on stderr which rows stopped short of ``max_new_tokens`` at the model's length
+  (not at a stop token), so a short answer is not mistaken for the model's choice."""
+  stops = set(sampling.stop_tokens)
+  cut = [(i, len(ids)) for i, (p, ids) in enumerate(zip(prompts, result.continuations()))
+         if len(ids) < sampling.max_new_tokens and not (ids and ids[-1] in stops)
+         and len(p) + len(ids) >= max_len]
+  if cut:
+    rows = ", ".join(f"[{i}] after {n}" for i, n in cut)
+    print(f"note: prompt(s) {rows} of {sampling.max_new_tokens} new tokens: they reached the "
+          f"model's max_len={max_len} (pass model.max_len=N to generate further; the weights "
+          "do not depend on it, but a model is only trained for the lengths it saw)",
+          file=sys.stderr)
 
 
 def print_result(shown: Sequence[str], result, codec: Codec, out) -> None:

@@ -149,3 +149,58 @@ def test_default_recipe_reverses_the_readme_example(tmp_path, capsys, monkeypatc
   rc, out, err = run_cli(capsys, ["--checkpoint", "runs/default", "--prompt", "31415926"])
   assert rc == 0, err
   assert "-> 62951413" in out
+
+
+@pytest.fixture(scope="module")
+def linen_run(tmp_path_factory):
+  out = tmp_path_factory.mktemp("run_linen")
+  config = load_config(train.default_config_path(), [*TINY, "seq_len=16", f"out_dir={out}"])
+  train.train(config, progress=False, out=open("/dev/null", "w"))
+  return out
+
+
+@pytest.mark.parametrize("override, match", [
+    ("framework=nnx", r"framework=nnx here, linen in the checkpoint"),
+    ("model.num_layers=3", r"model.num_layers=3 here, 1 in the checkpoint"),
+    ("model.num_kv_heads=2", r"model.num_kv_heads=2 here, 1 in the checkpoint"),
+    ("model.embed_dim=32", r"model.embed_dim=32 here, 16 in the checkpoint"),
+])
+def test_overrides_that_change_the_checkpoints_model_exit_2(linen_run, capsys, override,
+                                                             match):
+  """They used to fail inside the restore (a KeyError from decode_params, a broadcasting
+  error from JAX) or, for embed_dim, to be ignored."""
+  rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--tokens", "4 5 1", override])
+  assert rc == 2
+  assert re.search(match, err), err
+  assert "python -m recipes.export" in err
+
+
+def test_how_the_model_runs_can_change_and_max_len_lets_it_generate_further(linen_run,
+                                                                            capsys):
+  max_len = export.model_config(export.restore_params(linen_run)[1]).max_len
+  argv = ["--checkpoint", str(linen_run), "--tokens", " ".join(["4"] * (max_len - 2)),
+          "--max-new-tokens", "6"]
+  rc, out, err = run_cli(capsys, argv)
+  assert rc == 0, err
+  short = continuations(out)[0]
+  # the prompt + 2 reach the model's max_len: said on stderr, not silently cut
+  assert len(short) == 2
+  assert (f"prompt(s) [0] after 2 of 6 new tokens: they reached the model's max_len={max_len}"
+          in err)
+  rc, out, err = run_cli(capsys, [*argv, f"model.max_len={2 * max_len}",
+                                  "model.attention=blockwise"])
+  assert rc == 0, err
+  longer = continuations(out)[0]
+  assert len(longer) == 6 and longer[:2] == short and "note:" not in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--max-new-tokens", "0"], r"max_new_tokens=0 must be an int >= 1"),
+    (["--top-k", "3"], r"top_k=3 / top_p=1.0 cut the distribution sampled from, but "
+                       r"temperature=0 is greedy"),
+    (["--top-p", "0.5"], r"temperature=0 is greedy \(argmax\): set a temperature > 0"),
+])
+def test_settings_that_would_be_ignored_exit_2(capsys, argv, match):
+  rc, _, err = run_cli(capsys, ["init_from=" + str(HF_LLAMA), "--tokens", "3", *argv])
+  assert rc == 2
+  assert re.search(match, err), err
