@@ -99,7 +99,9 @@ def _architecture(hf: Mapping[str, Any], where: str) -> str:
   for arch in hf.get("architectures") or ():
     if arch in names:
       return names[arch]
-  if hf.get("model_type") in ARCHITECTURES:
+  # model_type decides only where no architecture is named: a named one that layers does not
+  # know (a GPT-2 head on a qwen2 model_type) is another model, not a qwen2
+  if not hf.get("architectures") and hf.get("model_type") in ARCHITECTURES:
     return hf["model_type"]
   raise HFError(
       f"from_hf: {where} has architectures={hf.get('architectures')!r}, model_type="
@@ -414,7 +416,12 @@ class _Files:
       if not file.is_file():
         raise HFError(f"from_hf: {INDEX} in {str(self.directory)!r} names {file.name!r}, "
                       "which does not exist. Copy the whole checkpoint directory.")
-      self._handles[file, framework] = self._open(str(file), framework=framework)
+      try:
+        self._handles[file, framework] = self._open(str(file), framework=framework)
+      except Exception as e:  # noqa: BLE001  (safetensors raises its own SafetensorError)
+        raise HFError(f"from_hf: {str(file)!r} cannot be read as safetensors ({e}). The "
+                      "file is truncated or is not a safetensors file: download or copy it "
+                      "again.") from e
     return self._handles[file, framework]
 
   def slice(self, name: str) -> Any:

@@ -14,8 +14,8 @@ Both files are written atomically. Load them into any framework with
 
 With ``--to hf``, ``OUT`` is a directory that ``transformers`` loads
 (``AutoModelForCausalLM.from_pretrained(OUT)``): ``config.json`` and ``model.safetensors``
-written by ``layers.to_hf`` (Qwen2 when the model has q/k/v biases, else Llama, or
-``--architecture``)::
+written by ``layers.to_hf`` (Qwen2 when the model has q/k/v biases, Qwen3 with q/k norms,
+Mixtral with experts, else Llama, or ``--architecture``)::
 
   python -m recipes.export --checkpoint runs/default --out weights.npz
   python -m recipes.export --checkpoint runs/default/checkpoints --step 100 --out w100.npz
@@ -125,8 +125,9 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
       directory for ``to='hf'``.
     step: the checkpoint step (default: the latest).
     to: ``'npz'`` or ``'hf'``.
-    architecture: for ``'hf'``: ``'llama'``, ``'mistral'`` or ``'qwen2'`` (default: from
-      the model, see ``layers.to_hf``).
+    architecture: for ``'hf'``: a key of ``layers.hf.ARCHITECTURES`` (``'llama'``,
+      ``'mistral'``, ``'qwen2'``, ``'qwen3'``, ``'mixtral'``; default: from the model, see
+      ``layers.to_hf``).
 
   Returns:
     The document describing the export (``model``, ``framework``, ``step``, ``weights``;
@@ -178,8 +179,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="the .npz to write (and OUT.json); with --to hf, a directory")
   parser.add_argument("--to", choices=("npz", "hf"), default="npz",
                       help="npz: canonical weights; hf: a transformers checkpoint directory")
-  parser.add_argument("--architecture", choices=("llama", "mistral", "qwen2"), default=None,
-                      help="with --to hf (default: qwen2 for q/k/v biases, else llama)")
+  from layers.hf import ARCHITECTURES
+  parser.add_argument("--architecture", choices=tuple(ARCHITECTURES), default=None,
+                      help="with --to hf (default: from the model: qwen2 with q/k/v biases, "
+                           "qwen3 with q/k norms, mixtral with experts, else llama)")
   return parser.parse_args(argv)
 
 

@@ -2,8 +2,9 @@
 
 The model comes from a training run (``--checkpoint runs/x``: its config, framework, preset
 and mesh; its latest checkpoint or ``--step``) or from a Hugging Face directory
-(``init_from=DIR``: Llama / Mistral / Qwen2, with the preset and mesh of the run config, as
-in ``python -m recipes.train init_from=DIR``). Preset, mesh and rules can be overridden like
+(``init_from=DIR``: Llama / Mistral / Qwen2 / Qwen3 / Mixtral, with the preset and mesh of
+the run config, as in ``python -m recipes.train init_from=DIR``). Preset, mesh and rules can
+be overridden like
 the training recipe's (``preset=tensor_parallel mesh='{data: 2, tensor: 4}'``). Params are
 restored into their shards; the KV cache is created in its shards (``layers._decode``).
 

@@ -458,6 +458,20 @@ def test_missing_shard_file(tmp_path):
     layers.from_hf(directory)
 
 
+@pytest.mark.parametrize("keep", [3, 200, -40])
+def test_truncated_or_foreign_safetensors_file(tmp_path, keep):
+  """A download cut short (its header or its data) is an HFError naming the file (it was
+  safetensors' own 'incomplete metadata' error from deep inside)."""
+  directory = copy_of("llama", tmp_path)
+  path = directory / "model.safetensors"
+  data = path.read_bytes()
+  path.write_bytes(data[:keep] if keep > 0 else data[:keep])
+  with pytest.raises(hf.HFError, match=r"model.safetensors' cannot be read as safetensors "
+                                       r"\(.*\)\. The file is truncated or is not a "
+                                       "safetensors file"):
+    layers.from_hf(directory)
+
+
 def test_wrong_shape(tmp_path):
   directory = copy_of("qwen2", tmp_path)
   edit_config(directory, intermediate_size=64)
@@ -466,11 +480,14 @@ def test_wrong_shape(tmp_path):
     layers.from_hf(directory)
 
 
-def test_unsupported_architecture(tmp_path):
+@pytest.mark.parametrize("model_type", ["gpt2", "qwen2"])
+def test_unsupported_architecture(tmp_path, model_type):
+  """A named architecture layers does not know is refused even where model_type is one it
+  knows (it was read as that model_type)."""
   directory = copy_of("llama", tmp_path)
-  edit_config(directory, architectures=["GPT2LMHeadModel"], model_type="gpt2")
+  edit_config(directory, architectures=["GPT2LMHeadModel"], model_type=model_type)
   with pytest.raises(hf.HFError, match=r"architectures=\['GPT2LMHeadModel'\], "
-                                       r"model_type='gpt2'; layers supports"):
+                                       rf"model_type='{model_type}'; layers supports"):
     layers.from_hf(directory)
 
 
