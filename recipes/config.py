@@ -8,8 +8,8 @@
 Traceback (most recent call last):
 ...
 recipes.config.TrainConfigError: config: 1 problem(s).
-  * unknown key 'stpes' (did you mean 'steps'?).
-Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML file. ...
+  * command-line override 'stpes=10': unknown key 'stpes' (did you mean 'steps'?).
+Fix them on the command line (key=value, e.g. model.num_heads=4). Every key: ...
 """
 
 from __future__ import annotations
@@ -137,8 +137,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
   """
   raw = _read(DEFAULT_CONFIG)
   user: dict[str, Any] = {}
+  sources = _Sources()
   if path is not None and pathlib.Path(path).resolve() != DEFAULT_CONFIG:
     user = _read(path)
+    sources.add_file(str(path), user)
   problems: list[str] = []
   for item in overrides:
     key, sep, value = str(item).partition("=")
@@ -151,6 +153,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
       problems.append(f"override {item!r}: the value is not valid YAML ({e.problem})")
       continue
     _set_dotted(user, key.strip(), parsed)
+    sources.add_override(str(item), key.strip(), parsed)
   _merge(raw, user)
   if raw.get("mesh") == AUTO_MESH and isinstance(raw.get("preset"), str):
     try:
@@ -166,17 +169,59 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] = ()
   if "out_dir" not in user and not raw.get("resume") and isinstance(raw.get("out_dir"), str):
     from recipes import rundir  # rundir's errors are this module's TrainConfigError
     raw["out_dir"] = str(rundir.unused(pathlib.Path(raw["out_dir"])))
-  config = _build(raw, problems)
+  config = _build(raw, problems, sources)
   if not problems and config.init_from:
     config = _with_checkpoint_model(config, overrides, problems)
   if not problems:
     problems.extend(_semantic_problems(config))
   if problems:
-    raise TrainConfigError(format_message(
-        f"config{f' {path}' if path else ''}: {len(problems)} problem(s).", bullets=problems,
-        fix="Fix them on the command line (key=value, e.g. model.num_heads=4) or in the YAML "
-            f"file. Valid keys: {', '.join(_valid_keys())}."))
+    # Where to fix them: the file only where it set a key; all keys only for unknown ones
+    # (a typo), not for every mistake.
+    fix = "Fix them on the command line (key=value, e.g. model.num_heads=4)"
+    fix += f" or in {path}." if sources.files else "."
+    if sources.unmatched:  # a typo without a close match: the keys it may have meant
+      fix += f" Valid keys: {', '.join(_valid_keys(sections=False))}."
+    if sources.unknown:
+      fix += " Every key: docs/training.md#config-keys."
+    raise TrainConfigError(format_message(f"config: {len(problems)} problem(s).",
+                                          bullets=problems, fix=fix))
   return config
+
+
+class _Sources:
+  """Where each key of a run's config was set: a command-line override, the ``--config``
+  file, else ``default.yaml``; so a message blames the override the user typed, and names a
+  file only for a key the file holds."""
+
+  def __init__(self):
+    self.where: dict[str, str] = {}
+    self.files: list[str] = []
+    self.unknown: list[str] = []  # the unknown keys found
+    self.unmatched = False  # a top-level one without a close match (then: the valid keys)
+
+  def add_file(self, path: str, doc: dict[str, Any]) -> None:
+    self.files.append(path)
+    self._add(path, doc)
+
+  def add_override(self, item: str, key: str, value: Any) -> None:
+    self.where[key] = f"command-line override {item!r}"
+    if isinstance(value, dict):  # model={num_layers: 4}: its keys are the override's too
+      for sub in value:
+        self.where[f"{key}.{sub}"] = self.where[key]
+
+  def _add(self, label: str, doc: dict[str, Any]) -> None:
+    for key, value in doc.items():
+      self.where[str(key)] = label
+      if isinstance(value, dict):
+        for sub in value:
+          self.where[f"{key}.{sub}"] = label
+
+  def of(self, dotted: str) -> str:
+    """The override or file that set ``dotted`` (``model.num_layers``)."""
+    if dotted in self.where:
+      return self.where[dotted]
+    head = dotted.partition(".")[0]
+    return self.where.get(head, str(DEFAULT_CONFIG))
 
 
 def _with_checkpoint_model(config: TrainConfig, overrides: Sequence[str],
@@ -230,28 +275,32 @@ def _set_dotted(raw: dict, key: str, value: Any) -> None:
   _set_dotted(section, rest, value)
 
 
-def _valid_keys() -> list[str]:
-  """Every key, sections spelled out: ``optimizer.{learning_rate, warmup_steps, ...}``."""
+def _valid_keys(sections: bool = True) -> list[str]:
+  """Every key, sections spelled out: ``optimizer.{learning_rate, warmup_steps, ...}``
+  (``sections=False``: ``optimizer.*``)."""
   out = []
   for f in dataclasses.fields(TrainConfig):
     if f.name in _SECTIONS:
       names = [g.name for g in dataclasses.fields(_SECTIONS[f.name])]
-      out.append(f"{f.name}.{{{', '.join(names)}}}")
+      out.append(f"{f.name}.{{{', '.join(names)}}}" if sections else f"{f.name}.*")
     else:
       out.append(f.name)
   return sorted(out)
 
 
-def _build(raw: dict[str, Any], problems: list[str]) -> TrainConfig | None:
-  kwargs = _check_fields(TrainConfig, raw, "", problems)
+def _build(raw: dict[str, Any], problems: list[str], sources: _Sources | None = None
+           ) -> TrainConfig | None:
+  sources = sources or _Sources()
+  kwargs = _check_fields(TrainConfig, raw, "", problems, sources)
   for name, cls in _SECTIONS.items():
     section = raw.get(name, {})
     if not isinstance(section, dict):
-      problems.append(f"{name} must be a mapping of {cls.__name__} fields, got {section!r}")
+      problems.append(f"{name} must be a mapping of {cls.__name__} fields, got {section!r} "
+                      f"(from {sources.of(name)})")
       kwargs.pop(name, None)
       continue
     before = len(problems)
-    fields = _check_fields(cls, section, f"{name}.", problems)
+    fields = _check_fields(cls, section, f"{name}.", problems, sources)
     if len(problems) > before:
       continue  # the section's own field errors say it all
     try:
@@ -274,24 +323,44 @@ def _section_problems(section: str, error: Exception) -> list[str]:
   return [f"{section}.{b}" for b in bullets]
 
 
-def _check_fields(cls, raw: dict, prefix: str, problems: list[str]) -> dict[str, Any]:
+def _check_fields(cls, raw: dict, prefix: str, problems: list[str], sources: _Sources
+                  ) -> dict[str, Any]:
   fields = {f.name: f for f in dataclasses.fields(cls)}
   hints = typing.get_type_hints(cls)
   out = {}
   for key, value in raw.items():
+    dotted = prefix + str(key)
     if key not in fields:
-      valid = f" Valid keys of {prefix[:-1]}: {', '.join(fields)}." if prefix else ""
-      problems.append(f"unknown key {prefix + str(key)!r}"
-                      f"{did_you_mean(str(key), list(fields), abbreviations=True)}.{valid}")
+      sources.unknown.append(dotted)
+      hint = _suggest(str(key), prefix, list(fields))
+      # only a key with no close match lists its section's keys (top level: the fix line)
+      valid = f" Valid keys of {prefix[:-1]}: {', '.join(fields)}." if prefix and not hint \
+          else ""
+      sources.unmatched |= not prefix and not hint
+      problems.append(f"{sources.of(dotted)}: unknown key {dotted!r}{hint}.{valid}")
       continue
     if key in _SECTIONS and not prefix:
       continue
     converted, error = _convert(value, hints[key])
     if error:
-      problems.append(f"{prefix}{key}={value!r}: {error}")
+      problems.append(f"{dotted}={value!r}: {error} (from {sources.of(dotted)})")
     else:
       out[key] = converted
   return out
+
+
+def _suggest(key: str, prefix: str, fields: list[str]) -> str:
+  """`` (did you mean 'model.num_layers'?)``: the full dotted key, as it is typed; a
+  top-level key that is a section's (``num_layers``) gets that section's prefix."""
+  hint = did_you_mean(key, fields, abbreviations=True)
+  if hint:
+    return hint.replace("'", f"'{prefix}", 1) if prefix else hint
+  if not prefix:
+    owners = [f"{name}.{key}" for name, cls in _SECTIONS.items()
+              if key in {f.name for f in dataclasses.fields(cls)}]
+    if len(owners) == 1:
+      return f" (did you mean {owners[0]!r}?)"
+  return ""
 
 
 def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:

@@ -206,6 +206,36 @@ def _bytes(n: int | None) -> str:
   return str(n)
 
 
+def step_fields(steps: int, start: int) -> dict[str, Any]:
+  """The summary's step counts for a run asked for ``steps`` that started at step ``start``
+  (a resumed run's checkpoint; 0: a new run): ``steps`` the step its state is at,
+  ``steps_requested`` the config's, ``steps_trained`` by this invocation, ``resumed_from``.
+  A run resumed past its ``steps`` trains nothing and keeps its step count.
+
+  >>> step_fields(30, 40)
+  {'steps': 40, 'steps_requested': 30, 'steps_trained': 0, 'resumed_from': 40}
+  """
+  return {"steps": max(steps, start), "steps_requested": steps,
+          "steps_trained": max(0, steps - start), "resumed_from": start or None}
+
+
+def steps_text(summary: dict[str, Any]) -> str:
+  """The summary table's ``steps`` cell: ``300``, ``40 (resumed from 20)``, or for a run
+  resumed at or past its ``steps``, ``40 (already past steps=30: nothing trained)``.
+
+  >>> steps_text(step_fields(40, 20)), steps_text(step_fields(30, 40))
+  ('40 (resumed from 20)', '40 (already past steps=30: nothing trained)')
+  """
+  start = summary.get("resumed_from") or 0
+  requested = summary.get("steps_requested", summary["steps"])
+  reached = max(summary["steps"], start)
+  if start and start > requested:
+    return f"{reached} (already past steps={requested}: nothing trained)"
+  if start and start == requested:
+    return f"{reached} (already at steps={requested}: nothing trained)"
+  return f"{reached}" + (f" (resumed from {start})" if start else "")
+
+
 def print_summary(summary: dict[str, Any], out) -> None:
   """A one-screen summary of the run (rich table)."""
   from rich.console import Console
@@ -220,8 +250,7 @@ def print_summary(summary: dict[str, Any], out) -> None:
       ("framework / preset", f"{summary['framework']} / {summary['preset']}"),
       ("mesh", mesh + (f" on {summary['devices']}" if summary.get("devices") else "")),
       ("micro-batches", str(summary["microbatches"])),
-      ("steps", str(summary["steps"]) + (f" (resumed from {summary['resumed_from']})"
-                                         if summary.get("resumed_from") else "")),
+      ("steps", steps_text(summary)),
       ("final train loss", fmt(summary["final_loss"], ".4f")),
       ("eval loss", fmt(summary["eval_loss"], ".4f")),
       ("eval token accuracy", fmt(summary["accuracy"], ".3f")),

@@ -132,10 +132,39 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
   changed = [f"{k} {saved_config[k]} -> {getattr(config, k)}"
              for k in ("preset", "mesh", "microbatches")
              if k in saved_config and saved_config[k] != getattr(config, k)]
-  done = f"; the run is complete (steps={config.steps})" if step >= config.steps else ""
+  done = ""
+  if step > config.steps:
+    done = (f"; it is already past steps={config.steps}, so nothing is trained (steps="
+            f"{step + 1} or more trains on)")
+  elif step == config.steps:
+    done = f"; the run is complete (steps={config.steps})"
   say(f"resumed from step {step} of {ckpt.directory}"
       + (f" (resharded: {', '.join(changed)})" if changed else "") + done)
+  if note := schedule_note(saved_config.get("steps"), config.steps, step, run, metrics_log):
+    say(note)
   return step
+
+
+def schedule_note(saved_steps: int | None, steps: int, step: int, run, metrics_log
+                  ) -> str | None:
+  """A warning for a resumed run whose ``steps`` differ from its checkpoint's and that still
+  trains: the learning-rate schedule (warmup, then cosine decay to ``steps``) spans ``steps``,
+  so the rest of the run follows another schedule and the rate jumps at the first step."""
+  if saved_steps is None or saved_steps == steps or step >= steps:
+    return None
+  was = metrics_log.last("learning_rate") if metrics_log is not None else None
+  jump = ""
+  schedule = getattr(run, "schedule", None)
+  if was is not None and schedule is not None:
+    jump = (f": the learning rate goes from {was:.3g} at step {step} to "
+            f"{float(schedule(step)):.3g} at step {step + 1}")
+  keep = f"resume with steps={saved_steps} to keep it" if step < saved_steps else \
+      f"a steps={steps} run from scratch follows one schedule throughout"
+  return (f"warning: resume=true with steps={steps}, but the checkpoint's run had "
+          f"steps={saved_steps}. The learning-rate schedule (optimizer.warmup_steps, then "
+          f"cosine decay to step {steps}) spans steps, so from step {step + 1} on the run "
+          f"follows the schedule of a steps={steps} run{jump}; {keep} "
+          "(docs/training.md#resuming).")
 
 
 class StopSignals:

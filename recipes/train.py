@@ -466,7 +466,7 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
   summary = {
       "framework": config.framework, "preset": config.preset,
       "mesh": dict(run.mesh.shape), "microbatches": effective,
-      "steps": config.steps, "resumed_from": start or None,
+      **report.step_fields(config.steps, start),
       "final_loss": metrics_log.last("loss"),
       "eval_loss": metrics_log.last("eval_loss"), "accuracy": metrics_log.last("accuracy"),
       "exact_match": metrics_log.last("exact_match"),

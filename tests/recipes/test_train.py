@@ -45,21 +45,20 @@ def test_config_errors_name_the_key_and_list_the_valid_ones():
                            "mesh={data: x}"])
   message = str(e.value)
   assert "unknown key 'stpes' (did you mean 'steps'?)." in message
-  assert "unknown key 'model.embed_dimm' (did you mean 'embed_dim'?)." in message
+  assert "unknown key 'model.embed_dimm' (did you mean 'model.embed_dim'?)." in message
   assert "microbatches='two': expected an integer" in message
   assert "mesh={'data': 'x'}: expected a mapping {mesh axis: size}" in message
   assert "config: 4 problem(s)." in message  # value checks come after the key checks
-  assert "Valid keys: batch_size, checkpoint_every, data.{task, path, digits}" in message
+  assert "Every key: docs/training.md#config-keys." in message
 
 
 def test_nested_keys_get_suggestions_and_their_section_keys():
   with pytest.raises(TrainConfigError) as e:
     load_config(overrides=["optimizer.lr=0.1", "data.tsak=copy"])
   message = str(e.value)
-  assert "unknown key 'optimizer.lr' (did you mean 'learning_rate'?). Valid keys of optimizer: " \
-         "learning_rate, warmup_steps" in message
-  assert "unknown key 'data.tsak' (did you mean 'task'?)." in message
-  assert "optimizer.{learning_rate, warmup_steps, min_lr_ratio" in message  # the full list
+  assert "unknown key 'optimizer.lr' (did you mean 'optimizer.learning_rate'?)." in message
+  assert "unknown key 'data.tsak' (did you mean 'data.task'?)." in message
+  assert "Valid keys" not in message  # a close match needs no list
 
 
 def test_model_errors_give_command_line_advice():
