@@ -18,9 +18,10 @@ slots ``0 .. pos[b]``. So each row computes exactly what it would alone.
 **Sharding.** The cache's logical axes are :data:`CACHE_AXES` (``('batch', 'cache_length',
 'kv_heads', 'head_dim')``, with a leading ``'layers'`` when the blocks are scanned): the
 presets' rules place it like the activations (batch over ``data``/``fsdp``, kv heads over
-``tensor``; ``cache_length`` has no rule and is replicated). :func:`init_cache` creates it
-in its shards (a jitted zeros with ``out_shardings``), never whole on one device; every
-update is constrained to the same axes, and the decode loop donates it.
+``tensor``; ``cache_length`` is replicated: :func:`decode_rules` adds the null rule that
+says so to rules without one). :func:`init_cache` creates it in its shards (a jitted zeros
+with ``out_shardings``), never whole on one device; every update is constrained to the same
+axes, and the decode loop donates it.
 
 >>> import jax, jax.numpy as jnp, layers
 >>> from layers._params import ParamSpec, transformer_params
@@ -48,7 +49,7 @@ import numpy as np
 import partition
 from layers import _core, _model
 from layers._config import TransformerConfig
-from layers._params import check_tokens
+from layers._params import ParamSpec, check_tokens, transformer_params
 from partition import PartitionError
 from partition.internal import format_message
 
@@ -103,8 +104,26 @@ class KVCache:
     return ck, cv, mask, KVCache(ck, cv, False), "xla"
 
 
-def _constrained(x: Array) -> Array:
-  return partition.constrain(x, CACHE_AXES)
+def _constrained(x: Array, axes: tuple = CACHE_AXES) -> Array:
+  return partition.constrain(x, axes, rules=decode_rules(partition.current_rules()))
+
+
+def decode_rules(rules: Any) -> Any:
+  """``rules`` with ``('cache_length', None)`` appended when they have no rule for it.
+
+  The cache's length dim is replicated on purpose (each decode step writes one slot per row
+  and attends all of them); rules that say nothing about ``cache_length`` (the presets)
+  mean that, so decoding states it instead of warning that the name has no rule. Rules
+  that do give ``cache_length`` a rule are kept as they are.
+
+  >>> import partition
+  >>> decode_rules(partition.AxisRules([('batch', 'data')]))
+  AxisRules([('batch', 'data'), ('cache_length', None)])
+  """
+  if rules is None:
+    return None
+  rules = _as_rules(rules)
+  return rules if "cache_length" in rules.names else rules + [("cache_length", None)]
 
 
 def cache_axes(config: TransformerConfig) -> KVCache | list[KVCache]:
@@ -136,7 +155,7 @@ def cache_shardings(config: TransformerConfig, batch: int, length: int, *, rules
                     mesh: jax.sharding.Mesh | None = None, dtype: Any = None) -> Any:
   """The cache's ``NamedSharding`` s under ``rules`` / ``mesh`` (default: the
   ``partition.axis_rules`` context), or ``None`` without a mesh."""
-  rules = partition.current_rules() if rules is None else _as_rules(rules)
+  rules = decode_rules(partition.current_rules() if rules is None else rules)
   mesh = partition.current_rules_mesh() if mesh is None else mesh
   if mesh is None or rules is None:
     return None
@@ -159,7 +178,7 @@ def init_cache(config: TransformerConfig, batch: int, length: int, *, rules: Any
   (2, 2, 16, 2, 8)
   """
   # the context is read here, not in the cached maker: a maker is one rules/mesh's layout
-  rules = partition.current_rules() if rules is None else _as_rules(rules)
+  rules = decode_rules(partition.current_rules() if rules is None else rules)
   mesh = partition.current_rules_mesh() if mesh is None else mesh
   return _cache_maker(config, batch, length, rules, mesh, dtype)()
 
@@ -178,10 +197,9 @@ def cache_bytes_per_device(config: TransformerConfig, batch: int, length: int, *
   """Bytes of the cache on each device, on paper: every array's size divided by the mesh
   sizes its resolved ``PartitionSpec`` splits it over."""
   shapes = jax.tree.leaves(cache_shapes(config, batch, length, dtype))
-  specs = jax.tree.leaves(_as_rules(rules).tree_specs(cache_axes(config),
-                                                      cache_shapes(config, batch, length,
-                                                                   dtype), mesh),
-                          is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  specs = decode_rules(rules).tree_specs(cache_axes(config),
+                                         cache_shapes(config, batch, length, dtype), mesh)
+  specs = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
   total = 0
   for s, spec in zip(shapes, specs):
     split = math.prod(mesh.shape[a] for e in spec for a in partition.internal.entry_mesh_axes(e))
@@ -206,8 +224,8 @@ def _hidden(params: Params, tokens: Array, config: TransformerConfig, cache: Any
   x, _, cache = _model.apply_blocks(params["blocks"], x, c, mask, positions, cache)
   # A scan stacks the per-layer caches unconstrained along 'layers': pin the whole cache.
   is_cache = lambda x: isinstance(x, KVCache)
-  cache = jax.tree.map(lambda x, a: KVCache(partition.constrain(x.k, a.k),
-                                            partition.constrain(x.v, a.v), x.prefill),
+  cache = jax.tree.map(lambda x, a: KVCache(_constrained(x.k, a.k),
+                                            _constrained(x.v, a.v), x.prefill),
                        cache, cache_axes(c), is_leaf=is_cache)
   scale = _core.fsdp_gather(params["final_norm"]["scale"], ("embed",), tokens.shape[0])
   return _core.rms_norm(x, scale, eps=c.norm_eps), cache
@@ -479,8 +497,13 @@ def generate(params: Params, config: TransformerConfig, prompts: Sequence[Sequen
     config: the model.
     prompts: lists of token ids, of any lengths (right-padded here).
     sampling: a :class:`Sampling` (default: greedy, 32 tokens).
-    rules, mesh: place the cache and the activations (default: the
-      ``partition.axis_rules`` context; neither: one device).
+    rules, mesh: place the params, the cache and the activations (default: the
+      ``partition.axis_rules`` context; neither: one device). Params not yet on the mesh
+      (numpy, uncommitted or on one device: ``model.init`` output, a loaded checkpoint)
+      are placed as ``rules`` shard them, like training does; params already on the mesh's
+      devices stay as they are. A mesh with ``Explicit`` axes decodes on the same devices
+      with those axes ``Auto`` (the model's gathers have no Explicit form; the result is
+      numpy), in or outside ``jax.set_mesh``.
     pad_id: the id written after a row stops (and into the padding of the prompts).
 
   Returns:
@@ -488,18 +511,98 @@ def generate(params: Params, config: TransformerConfig, prompts: Sequence[Sequen
 
   Raises:
     GenerateError: a prompt longer than ``config.max_len``, ids outside the vocabulary, a
-      stop token the vocabulary lacks, invalid sampling settings.
+      stop token the vocabulary lacks, invalid sampling settings; ``mesh=`` without rules
+      (or ``rules=`` without a mesh); params sharded over devices other than the mesh's.
   """
   sampling = Sampling() if sampling is None else sampling
   sampling.check_vocab(config.vocab_size)
   tokens, lengths = pad_prompts(prompts, pad_id=pad_id, where=where)
   check_prompts(tokens, lengths, config, where)
-  rules = partition.current_rules() if rules is None else _as_rules(rules)
+  given_rules, given_mesh = rules is not None, mesh is not None
+  rules = decode_rules(partition.current_rules() if rules is None else rules)
   mesh = partition.current_rules_mesh() if mesh is None else mesh
+  if given_mesh and rules is None:
+    raise GenerateError(format_message(
+        f"{where}: mesh= was given without rules, so nothing would be placed on it.",
+        fix="Pass rules= too (e.g. recipes.config.preset_rules('fsdp_tp')), or call it "
+            "inside `with partition.axis_rules(rules, mesh):`."))
+  if given_rules and mesh is None:
+    raise GenerateError(format_message(
+        f"{where}: rules= was given without a mesh, so they would place nothing.",
+        fix="Pass mesh= too (e.g. jax.make_mesh((4, 2), ('data', 'tensor'))), or leave "
+            "rules out to decode on one device."))
+  mesh = auto_view(mesh)
+  params = place_params(params, config, rules, mesh, where)
   batch, width = tokens.shape
   cache_length = min(config.max_len, width + sampling.max_new_tokens)
   run = _programs(config, sampling, batch, width, cache_length, rules, mesh, pad_id)
   return run(params, tokens, lengths)
+
+
+def auto_view(mesh: Any) -> Any:
+  """``mesh`` with its ``Explicit`` axes made ``Auto`` (the same devices, names and shape);
+  ``mesh`` itself when it has none (or is ``None``).
+
+  Decoding runs on this view: the model's embedding lookup and the cache's per-row writes
+  are gathers and scatters that JAX's Explicit sharding asks an ``out_sharding`` of, which
+  the shared block code does not give (the training code runs on Auto meshes too).
+  """
+  if not isinstance(mesh, jax.sharding.Mesh):
+    return mesh
+  auto, explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
+  if explicit not in mesh.axis_types:
+    return mesh
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
+                           axis_types=tuple(auto if t == explicit else t
+                                            for t in mesh.axis_types))
+
+
+def param_axes(config: TransformerConfig) -> Params:
+  """The logical axes of the parameter tree :func:`generate` reads, one tuple per array."""
+  return jax.tree.map(lambda s: s.axes, transformer_params(config),
+                      is_leaf=lambda s: isinstance(s, ParamSpec))
+
+
+def place_params(params: Params, config: TransformerConfig, rules: Any, mesh: Any,
+                 where: str = "generate") -> Params:
+  """``params`` ready for the programs of one ``rules`` / ``mesh``.
+
+  Without a mesh, numpy leaves become device arrays. On a mesh, every leaf not already on
+  the mesh's devices (numpy, uncommitted, committed to one device) is put there as
+  ``rules`` shard it (:func:`param_axes`); leaves on exactly the mesh's devices keep their
+  sharding (re-stated on :func:`auto_view` of their mesh when it has Explicit axes).
+
+  Raises:
+    GenerateError: a leaf sharded over several devices that are not the mesh's.
+    partition.RulesError: the tree is not the model's (keypaths named).
+  """
+  if rules is None or mesh is None:
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), params)
+  devices = frozenset(mesh.devices.flat)
+  leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+  elsewhere = [(jax.tree_util.keystr(path), x.sharding.device_set) for path, x in leaves
+               if isinstance(x, jax.Array) and x.committed
+               and len(x.sharding.device_set) > 1 and x.sharding.device_set != devices]
+  if elsewhere:
+    path, on = elsewhere[0]
+    raise GenerateError(format_message(
+        f"{where}: {len(elsewhere)} param(s) are sharded over other devices than mesh=.",
+        bullets=[f"{path} is on devices {sorted(d.id for d in on)}",
+                 f"mesh= has devices {sorted(d.id for d in devices)}"],
+        fix="Pass the mesh the params were placed on as mesh=, or move them first: "
+            "jax.device_put(params, jax.sharding.NamedSharding(mesh, P())) (or their "
+            "rules' shardings)."))
+  shardings = rules.tree_shardings(param_axes(config), mesh, params)
+
+  def one(x, sharding):
+    if isinstance(x, jax.Array) and x.committed and x.sharding.device_set == devices:
+      own = x.sharding
+      if isinstance(own, jax.sharding.NamedSharding) and auto_view(own.mesh) is not own.mesh:
+        return jax.device_put(x, jax.sharding.NamedSharding(auto_view(own.mesh), own.spec))
+      return x
+    return jax.device_put(x, sharding)
+
+  return jax.tree.map(one, params, shardings)
 
 
 @functools.lru_cache(maxsize=32)
@@ -519,6 +622,7 @@ class Programs:
                pad_id: int = 0):
     self.config, self.sampling, self.pad_id = config, sampling, pad_id
     self.batch, self.prompt_length, self.cache_length = batch, prompt_length, cache_length
+    mesh = auto_view(mesh)   # Explicit axes decode as Auto: see auto_view
     self.rules, self.mesh = rules, mesh
     self._executables: dict[Any, tuple] = {}
     placed = rules is not None and mesh is not None
@@ -548,6 +652,14 @@ class Programs:
                       mesh=self.mesh)
 
   def __call__(self, params: Params, tokens: np.ndarray, lengths: np.ndarray) -> Generation:
+    if self.rules is None or self.mesh is None:
+      return self._run(params, tokens, lengths)
+    # Under this mesh even inside the caller's jax.set_mesh (an Explicit one included):
+    # the programs are traced and run on the Auto view that they constrain on.
+    with jax.set_mesh(self.mesh):
+      return self._run(params, tokens, lengths)
+
+  def _run(self, params: Params, tokens: np.ndarray, lengths: np.ndarray) -> Generation:
     check_tokens(tokens, self.config.max_len, "generate")
     tokens, lengths = self._placed(tokens), self._placed(lengths)
     # Compile both programs before timing either (the cache they compile against is

@@ -251,7 +251,8 @@ def generate(config: TransformerConfig, params: Any, prompts: Any,
              sampling: _decode.Sampling | None = None, **kwargs: Any) -> _decode.Generation:
   """Continues ``prompts`` (lists of token ids) with the params of a Haiku
   :class:`Transformer`: the one decoding core, ``layers._decode.generate`` (``kwargs``: its
-  ``rules``, ``mesh``, ``pad_id``).
+  ``rules``, ``mesh``, ``pad_id``; params not yet on the mesh are put there as the rules
+  shard them).
 
   >>> import layers, layers.haiku
   >>> cfg = layers.TransformerConfig(vocab_size=32, num_layers=1)

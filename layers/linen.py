@@ -265,7 +265,7 @@ def generate(model: Transformer, variables: Any, prompts: Any,
              sampling: _decode.Sampling | None = None, **kwargs: Any) -> _decode.Generation:
   """Continues ``prompts`` (lists of token ids) with a linen :class:`Transformer`: the one
   decoding core, ``layers._decode.generate`` (``kwargs``: its ``rules``, ``mesh``,
-  ``pad_id``).
+  ``pad_id``; variables not yet on the mesh are put there as the rules shard them).
 
   >>> import layers, layers.linen
   >>> cfg = layers.TransformerConfig(vocab_size=32, num_layers=1)

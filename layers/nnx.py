@@ -239,7 +239,7 @@ def generate(model: Transformer, prompts: Any, sampling: _decode.Sampling | None
              **kwargs: Any) -> _decode.Generation:
   """Continues ``prompts`` (lists of token ids) with an NNX :class:`Transformer`: the one
   decoding core, ``layers._decode.generate`` (``kwargs``: its ``rules``, ``mesh``,
-  ``pad_id``).
+  ``pad_id``; params not yet on the mesh are put there as the rules shard them).
 
   >>> import layers, layers.nnx
   >>> model = layers.nnx.Transformer(layers.TransformerConfig(vocab_size=32, num_layers=1),

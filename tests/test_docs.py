@@ -46,6 +46,7 @@ DOCS = [
                      prints=("2 True True 1000000.0", "P(None, 'fsdp', 'tensor', None)"),
                      writes=("model.safetensors",)), marks=SLOW, id="hf.md"),
     pytest.param(Doc("docs/xmap.md", min_blocks=2), marks=SLOW, id="xmap.md"),
+    pytest.param(Doc("docs/generate.md", max_blocks=1), marks=SLOW, id="generate.md"),
 ]
 
 
