@@ -35,7 +35,13 @@ import partition
 from layers import _core, _loss, _moe
 from layers._attention import Mask, array_problems
 from layers._config import ConfigError, TransformerConfig
-from layers._params import LayerArgumentError, ParamSpec, block_params, check_tokens
+from layers._params import (
+    LayerArgumentError,
+    ParamSpec,
+    block_params,
+    check_mesh,
+    check_tokens,
+)
 from partition.internal import format_message
 
 Array = jax.Array
@@ -259,6 +265,7 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
     aux merged over layers (``_core.merge_aux``).
   """
   c = config
+  check_mesh(where)
   check_tokens(tokens, c.max_len, where)
   if targets is not None:
     _check_targets(targets, tokens.shape, where)

@@ -188,6 +188,25 @@ def listed_blocks(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
   return {**rest, "blocks": [params[n] for n in names]}
 
 
+def check_mesh(where: str) -> None:
+  """Raises ``LayerArgumentError`` when the mesh in context (``jax.set_mesh``) has
+  ``Explicit`` axes: the layers constrain activations by logical name (sharding hints that
+  Explicit axes turn into assertions) and look embeddings up with gathers that Explicit
+  sharding wants an ``out_sharding`` for, so they run on ``Auto`` axes. (``generate``
+  decodes an Explicit mesh's devices on its Auto view itself.)"""
+  mesh = jax.sharding.get_abstract_mesh()
+  explicit = [n for n, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit] if not mesh.empty else []
+  if explicit:
+    raise LayerArgumentError(format_message(
+        f"{where}: the mesh in context has Explicit axes {explicit}; the layers run on Auto "
+        "axes (their logical-axis constraints are hints that Explicit axes would turn into "
+        "assertions).",
+        fix="Build the mesh with Auto axes: jax.make_mesh(shape, names, "
+            "axis_types=(jax.sharding.AxisType.Auto,) * len(names)) (JAX's default is "
+            "Explicit)."))
+
+
 def check_tokens(tokens: jax.Array, max_len: int, where: str) -> None:
   """Raises ``LayerArgumentError`` unless ``tokens`` is ``(batch, length <= max_len)`` ints."""
   problems = []

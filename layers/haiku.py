@@ -36,17 +36,18 @@ import partition.haiku
 from layers import _core, _decode, _model, _moe
 from layers._config import TransformerConfig
 from layers._params import (
-    ParamSpec,
-    attention_params,
-    block_params,
-    dense_params,
-    embed_params,
-    listed_blocks,
-    mlp_params,
-    moe_params,
-    named_blocks,
-    norm_params,
-    transformer_params,
+  ParamSpec,
+  attention_params,
+  block_params,
+  check_mesh,
+  dense_params,
+  embed_params,
+  listed_blocks,
+  mlp_params,
+  moe_params,
+  named_blocks,
+  norm_params,
+  transformer_params,
 )
 
 Array = jax.Array
@@ -228,6 +229,7 @@ class Transformer(hk.Module):
                segment_ids: Array | None = None, targets: Array | None = None,
                return_aux: bool = False) -> Any:
     c = self.config
+    check_mesh("layers.haiku.Transformer")   # before the parameters are declared (and constrained)
     p = _declare(named_blocks(transformer_params(c)), c.param_dtype)
     out, aux = _model.transformer(listed_blocks(p, c.num_layers), tokens, c, valid,
                                   segment_ids=segment_ids, targets=targets,

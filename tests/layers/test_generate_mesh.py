@@ -130,3 +130,27 @@ def test_cache_length_is_replicated_on_purpose_without_a_warning():
   split = RULES.override(("cache_length", "tensor"), ("kv_heads", None))
   assert layers.init_cache(CFG, 4, 16, rules=split, mesh=mesh)[0].k.sharding.spec == \
       PartitionSpec("data", "tensor", None, None)
+
+
+@pytest.mark.parametrize("framework", ["linen", "haiku", "core"])
+def test_the_model_under_an_explicit_mesh_is_a_clear_error(linen_model, framework):
+  """Outside generate (which decodes on the Auto view), the layers under jax.set_mesh of an
+  Explicit mesh raise LayerArgumentError saying to build the mesh with Auto axes (it was a
+  bare AssertionError from flax's constraint, or a ShardingTypeError from the lookup)."""
+  import haiku as hk
+
+  import layers.haiku
+  model, variables = linen_model
+  tokens = jnp.zeros((4, 8), jnp.int32)
+  run = {"linen": lambda: model.init(jax.random.key(0), tokens),
+         "haiku": lambda: hk.transform(lambda t: layers.haiku.Transformer(CFG)(t)).init(
+             jax.random.key(0), tokens),
+         "core": lambda: layers._model.transformer(
+             layers.linen.decode_params(variables, CFG), tokens, CFG)}[framework]
+  with jax.set_mesh(jax.make_mesh((4, 2), ("data", "tensor"),
+                                  axis_types=(AxisType.Explicit,) * 2)):
+    with pytest.raises(layers.LayerArgumentError,
+                       match=r"the mesh in context has Explicit axes \['data', 'tensor'\]; the "
+                             r"layers run on Auto axes[\s\S]*axis_types=\(jax.sharding.AxisType"
+                             r".Auto,\) \* len\(names\)"):
+      run()
