@@ -49,7 +49,7 @@ import numpy as np
 import partition
 from layers import _core, _model
 from layers._config import TransformerConfig
-from layers._params import ParamSpec, check_tokens, transformer_params
+from layers._params import check_tokens, spec_axes, transformer_params
 from partition import PartitionError
 from partition.internal import format_message
 
@@ -552,6 +552,7 @@ def auto_view(mesh: Any) -> Any:
   auto, explicit = jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit
   if explicit not in mesh.axis_types:
     return mesh
+  # a concrete Mesh has no update_axis_types (only AbstractMesh, which xmap's region uses)
   return jax.sharding.Mesh(mesh.devices, mesh.axis_names,
                            axis_types=tuple(auto if t == explicit else t
                                             for t in mesh.axis_types))
@@ -559,8 +560,7 @@ def auto_view(mesh: Any) -> Any:
 
 def param_axes(config: TransformerConfig) -> Params:
   """The logical axes of the parameter tree :func:`generate` reads, one tuple per array."""
-  return jax.tree.map(lambda s: s.axes, transformer_params(config),
-                      is_leaf=lambda s: isinstance(s, ParamSpec))
+  return spec_axes(transformer_params(config))
 
 
 def place_params(params: Params, config: TransformerConfig, rules: Any, mesh: Any,

@@ -36,11 +36,11 @@ from layers import _core, _loss, _moe
 from layers._attention import Mask, array_problems
 from layers._config import ConfigError, TransformerConfig
 from layers._params import (
-    LayerArgumentError,
-    ParamSpec,
-    block_params,
-    check_mesh,
-    check_tokens,
+  LayerArgumentError,
+  block_params,
+  check_mesh,
+  check_tokens,
+  spec_axes,
 )
 from partition.internal import format_message
 
@@ -87,8 +87,7 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | N
 def _block_axes(config: TransformerConfig) -> dict[str, Any]:
   """The logical axes of one block's params, as a tree of tuples (read, never modified:
   an unrolled stack asks once per block)."""
-  return jax.tree.map(lambda s: s.axes, block_params(config),
-                      is_leaf=lambda s: isinstance(s, ParamSpec))
+  return spec_axes(block_params(config))
 
 
 def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,

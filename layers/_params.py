@@ -146,6 +146,11 @@ def _stacked(spec: ParamSpec, layers: int) -> ParamSpec:
   return ParamSpec((layers, *spec.shape), ("layers", *spec.axes), init_stack)
 
 
+def spec_axes(specs: Any) -> Any:
+  """The logical axes of a tree of :class:`ParamSpec`, one tuple per parameter."""
+  return jax.tree.map(lambda s: s.axes, specs, is_leaf=lambda s: isinstance(s, ParamSpec))
+
+
 def transformer_params(cfg: Any) -> dict[str, Any]:
   """The whole model: ``embed``, ``blocks``, ``final_norm`` and, untied, ``lm_head``.
 

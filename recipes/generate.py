@@ -133,30 +133,30 @@ def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
   return Source(config, directory, step, meta, Codec.for_run(config))
 
 
-# Model fields a checkpoint's weights do not depend on: how the model runs, and how long a
-# sequence it is asked for (RoPE has no table in the weights).
-CHECKPOINT_FREE_FIELDS = ("dtype", "remat", "attention", "attention_block", "loss_chunk",
-                          "capacity_factor", "pipeline_microbatches", "pipeline_repeats",
-                          "max_len")
+def checkpoint_free_fields() -> tuple[str, ...]:
+  """Model fields a checkpoint's weights do not depend on: how the run computes
+  (``recipes.init_from.RUN_FIELDS``, less the two that change the restored tree, the stored
+  dtype and the layers' stacking) and how long a sequence it is asked for (RoPE keeps no
+  table in the weights)."""
+  from recipes.init_from import RUN_FIELDS
+  return tuple(f for f in RUN_FIELDS if f not in ("param_dtype", "scan_layers")) + ("max_len",)
 
 
 def _check_checkpoint_overrides(path: str, recorded: dict[str, Any], config) -> None:
   """Overrides that change what the checkpoint's weights are (the framework, a dimension,
   the layer layout) cannot be generated with: the restore would fail deep inside."""
-  now = config.to_dict()
+  from recipes.rundir import model_changes
+  free = checkpoint_free_fields()
   problems = []
-  if recorded.get("framework", now["framework"]) != now["framework"]:
-    problems.append(f"framework={now['framework']} here, {recorded['framework']} in the "
-                    "checkpoint (its weights are laid out for that framework)")
-  for key, value in recorded.get("model", {}).items():
-    if key not in CHECKPOINT_FREE_FIELDS and now["model"].get(key) != value:
-      problems.append(f"model.{key}={json.dumps(now['model'].get(key))} here, "
-                      f"{json.dumps(value)} in the checkpoint")
+  for key, saved, now in model_changes(config, recorded, free):
+    shown = (lambda v: v) if key == "framework" else json.dumps
+    why = " (its weights are laid out for that framework)" if key == "framework" else ""
+    problems.append(f"{key}={shown(now)} here, {shown(saved)} in the checkpoint{why}")
   if problems:
     raise GenerateArgumentError(
         f"--checkpoint {path!r}: these overrides change the model the checkpoint holds: "
         + "; ".join(problems) + ". Leave them out (the checkpoint's config is used), or "
-        f"change only how it runs ({', '.join('model.' + f for f in CHECKPOINT_FREE_FIELDS)})"
+        f"change only how it runs ({', '.join('model.' + f for f in free)})"
         "; to run it in another framework, export it (python -m recipes.export) and "
         "generate with init_from=DIR framework=...")
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import pathlib
 import signal
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 from recipes.config import TrainConfigError
@@ -86,16 +87,25 @@ def _state_shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   return {path_of(p): tuple(x.shape) for p, x in flat}
 
 
+def model_changes(config, saved_config: dict[str, Any], free: Sequence[str] = ()
+                  ) -> list[tuple[str, Any, Any]]:
+  """``(key, saved, now)`` for the framework and each ``model.`` field a checkpoint's
+  recorded config (``saved_config``) and ``config`` disagree on, ``free`` fields apart."""
+  now = config.to_dict()
+  changes = []
+  if saved_config.get("framework", now["framework"]) != now["framework"]:
+    changes.append(("framework", saved_config["framework"], now["framework"]))
+  for key, value in saved_config.get("model", {}).items():
+    if key not in free and now["model"].get(key) != value:
+      changes.append((f"model.{key}", value, now["model"].get(key)))
+  return changes
+
+
 def mismatches(config, saved_config: dict[str, Any], saved_shapes: dict, shapes: dict
                ) -> list[str]:
   """Why a checkpoint cannot continue as ``config`` (``[]``: it can)."""
-  problems = []
-  now = config.to_dict()
-  if saved_config.get("framework", now["framework"]) != now["framework"]:
-    problems.append(f"framework={saved_config['framework']} there, {now['framework']} here")
-  for key, value in saved_config.get("model", {}).items():
-    if now["model"].get(key) != value:
-      problems.append(f"model.{key}={value} there, {now['model'].get(key)} here")
+  problems = [f"{key}={saved} there, {now} here"
+              for key, saved, now in model_changes(config, saved_config)]
   if not problems and saved_shapes != shapes:
     differ = sorted(set(saved_shapes) ^ set(shapes)) or sorted(
         p for p in shapes if saved_shapes.get(p) != shapes[p])
@@ -152,12 +162,9 @@ def schedule_note(saved_steps: int | None, steps: int, step: int, run, metrics_l
   so the rest of the run follows another schedule and the rate jumps at the first step."""
   if saved_steps is None or saved_steps == steps or step >= steps:
     return None
-  was = metrics_log.last("learning_rate") if metrics_log is not None else None
-  jump = ""
-  schedule = getattr(run, "schedule", None)
-  if was is not None and schedule is not None:
-    jump = (f": the learning rate goes from {was:.3g} at step {step} to "
-            f"{float(schedule(step)):.3g} at step {step + 1}")
+  was = metrics_log.last("learning_rate")
+  jump = "" if was is None else (f": the learning rate goes from {was:.3g} at step {step} to "
+                                 f"{float(run.schedule(step)):.3g} at step {step + 1}")
   keep = f"resume with steps={saved_steps} to keep it" if step < saved_steps else \
       f"a steps={steps} run from scratch follows one schedule throughout"
   return (f"warning: resume=true with steps={steps}, but the checkpoint's run had "
