@@ -64,6 +64,25 @@ def capacity(length: int, num_experts: int, k: int, capacity_factor: float) -> i
   return max(1, math.ceil(capacity_factor * length * k / num_experts))
 
 
+def top_k(x: Array, k: int) -> tuple[Array, Array]:
+  """``jax.lax.top_k(x, k)`` over the last axis (the same values, indices and ties: the
+  lower index first), as ``k`` rounds of ``argmax``. XLA's SPMD partitioner runs
+  ``lax.top_k`` on the whole array, gathering a batch-sharded router's logits from every
+  device (the routing then ran on the global batch everywhere); ``argmax`` is a reduction
+  over the experts and keeps the batch sharded. ``k`` is a handful (the router's top-k).
+
+  >>> top_k(jnp.array([[1.0, 3.0, 3.0, 2.0]]), 2)[1].tolist()
+  [[1, 2]]
+  """
+  values, indices = [], []
+  for _ in range(k):
+    i = jnp.argmax(x, axis=-1, keepdims=True)
+    values.append(jnp.take_along_axis(x, i, axis=-1))
+    indices.append(i)
+    x = jnp.where(jnp.arange(x.shape[-1]) == i, -jnp.inf, x)
+  return jnp.concatenate(values, axis=-1), jnp.concatenate(indices, axis=-1)
+
+
 def route(logits: Array, *, k: int, capacity_factor: float) -> Routing:
   """Top-``k`` routing of router ``logits (batch, length, expert)`` with a capacity.
 
@@ -72,7 +91,7 @@ def route(logits: Array, *, k: int, capacity_factor: float) -> Routing:
   _, length, num_experts = logits.shape
   slots = capacity(length, num_experts, k, capacity_factor)
   probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-  top_p, top_i = jax.lax.top_k(probs, k)                                # (b, l, k)
+  top_p, top_i = top_k(probs, k)                                        # (b, l, k)
   gates = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
   chosen = jax.nn.one_hot(top_i, num_experts, dtype=jnp.int32)         # (b, l, k, e)
   # Queue position of each assignment at its expert: choice-major, then token order.

@@ -116,3 +116,30 @@ def test_capacity_factor_experts_over_k_never_drops(length, experts, k):
   factor = (length - 1) * experts / (length * k)
   assert _moe.capacity(length, experts, k, factor) == length - 1
   assert int(_moe.route(skewed, k=k, capacity_factor=factor).dropped_tokens) == 2 * k
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_top_k_is_lax_top_k_ties_and_gradients_included(k):
+  x = jax.random.normal(jax.random.key(3), (4, 16, 8))
+  x = x.at[0, 0, 3].set(x[0, 0, 5]).at[1, 2].set(0.5)   # a tie, and a row of equal values
+  want_v, want_i = jax.lax.top_k(x, k)
+  got_v, got_i = _moe.top_k(x, k)
+  np.testing.assert_array_equal(got_i, want_i)
+  np.testing.assert_array_equal(got_v, want_v)
+  grad = lambda top: jax.grad(lambda x: (top(x, k)[0] ** 2).sum())(x)
+  np.testing.assert_array_equal(grad(_moe.top_k), grad(jax.lax.top_k))
+
+
+def test_routing_keeps_a_batch_sharded_router_on_its_devices():
+  # lax.top_k is not partitioned by XLA: it gathered the router's (batch, length, expert)
+  # probabilities from all 8 devices, and every device routed the global batch
+  from jax.sharding import NamedSharding, PartitionSpec
+  from mesh_testlib import make_mesh
+  mesh = make_mesh((8,), ("data",), jax.sharding.AxisType.Auto)
+  logits = jax.device_put(jax.random.normal(jax.random.key(0), (8, 32, 4)),
+                          NamedSharding(mesh, PartitionSpec("data")))
+  route = jax.jit(lambda x: _moe.route(x, k=2, capacity_factor=1.25).combine)
+  hlo = route.lower(logits).compile().as_text()
+  assert "all-gather" not in hlo
+  one_device = _moe.route(np.asarray(logits), k=2, capacity_factor=1.25).combine
+  np.testing.assert_array_equal(route(logits), one_device)
