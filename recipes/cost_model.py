@@ -52,9 +52,15 @@ FUSED = ("cudnn", "pallas")
 # calibration rows, MaxText's names (`remat_policy` of MaxText's base.yml).
 # A block rerun from its input recomputes QKV, the output projection and the MLP's input
 # projection; the MLP's output projection only feeds the residual sum, whose gradient needs
-# no values, so XLA drops its recompute as dead code.
+# no values, so XLA drops its recompute as dead code. A mixture-of-experts block reruns its
+# router, the dispatch and both expert projections (the combine's gate gradient needs the
+# experts' outputs); the combine itself feeds the residual sum.
 MATMULS = ("qkv", "out", "mlp_in", "mlp_out")
-RERUN = ("qkv", "out", "mlp_in")
+MOE_MATMULS = ("router", "dispatch", "expert_in", "expert_out", "combine")
+RERUN = ("qkv", "out", "mlp_in", "router", "dispatch", "expert_in", "expert_out")
+# Backward passes per forward matmul: two (the input's and the weight's gradient), but the
+# dispatch's 0/1 slot assignment gets no gradient.
+BACKWARD_PASSES = {"dispatch": 1}
 RECOMPUTE: dict[str, tuple[tuple[str, ...], bool | None, bool]] = {
     "none": ((), False, False),
     # checkpoint_dots saves every dot output; a fused kernel is a custom call, not a dot,
@@ -124,6 +130,10 @@ class StepShape:
     causal: the mask is causal (fused kernels skip its masked half).
     chunked_loss: the cross-entropy is chunked (``model.loss_chunk``): the backward reruns
       the logits matmul chunk by chunk.
+    experts: a mixture-of-experts block's experts ``E`` (0: a dense MLP).
+    expert_slots: expert slots per token, ``E C / l`` (``C`` = ``layers.expert_capacity``
+      per sequence of ``l`` tokens): the tokens each expert projection runs on per routed
+      token, ``capacity_factor x top_k`` up to rounding.
   """
 
   rows: float
@@ -145,6 +155,8 @@ class StepShape:
   attention: str
   causal: bool = True
   chunked_loss: bool = False
+  experts: float = 0.0
+  expert_slots: float = 0.0
 
   @property
   def tokens(self) -> float:
@@ -192,10 +204,23 @@ def matmul_seconds(m: float, k: float, n: float, a: int, chip: Chip) -> float:
 
 
 def _block_matmuls(s: StepShape) -> dict[str, tuple[float, float]]:
-  """The block's matmuls as ``name -> (K, N)`` (``M`` is the tokens)."""
+  """The block's matmuls as ``name -> (K, N)`` (``M`` is the tokens). A mixture-of-experts
+  block (``layers._moe``) has, instead of the MLP: the fp32 router ``[T, D] @ [D, E]``; the
+  dispatch and the combine, each ``2 T (E C) D`` FLOPs (``K = E C``: a sequence's slots); and
+  the experts' projections on ``expert_slots`` slots per token (folded into ``N`` / ``K``)."""
   d, hd = s.embed, s.head_dim
-  return {"qkv": (d, (s.heads + 2 * s.kv_heads) * hd), "out": (s.heads * hd, d),
-          "mlp_in": (d, 2 * s.mlp), "mlp_out": (s.mlp, d)}
+  attention = {"qkv": (d, (s.heads + 2 * s.kv_heads) * hd), "out": (s.heads * hd, d)}
+  if not s.experts:
+    return {**attention, "mlp_in": (d, 2 * s.mlp), "mlp_out": (s.mlp, d)}
+  sequence_slots = s.expert_slots * s.seq_k
+  return {**attention, "router": (d, s.experts), "dispatch": (sequence_slots, d),
+          "expert_in": (d, 2 * s.mlp * s.expert_slots),
+          "expert_out": (s.mlp * s.expert_slots, d), "combine": (sequence_slots, d)}
+
+
+def _backward_matmuls(mm: dict[str, float]) -> float:
+  """The backward's matmul cost from the forward's, per matmul (:data:`BACKWARD_PASSES`)."""
+  return sum(BACKWARD_PASSES.get(name, 2) * v for name, v in mm.items())
 
 
 def _recomputes_attention(s: StepShape) -> bool:
@@ -255,7 +280,7 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
   elem = _elementwise_elems(s) * T * a / hbm
   ops = {p: OPS_PER_LAYER[p] + (XLA_ATTENTION_OPS[p] if s.attention == "xla" else 0)
          for p in OPS_PER_LAYER}
-  recompute_mm = sum(mm[n] for n in redo)
+  recompute_mm = sum(mm[n] for n in redo if n in mm)
   recompute_attn = attn["forward"] if _recomputes_attention(s) else 0.0
   terms = {
       "forward": {
@@ -268,7 +293,7 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
           "overhead": k * L * ops["forward"] * c.op_overhead_s,
       },
       "backward": {
-          "matmul": k * (L * (2 * sum(mm.values()) + recompute_mm)
+          "matmul": k * (L * (_backward_matmuls(mm) + recompute_mm)
                          + (3 if s.chunked_loss else 2) * head),
           "attention": k * L * (attn["backward"] + recompute_attn),
           "elementwise": k * L * elem * (2 + (1 if redo_elementwise else 0)),
@@ -296,7 +321,8 @@ def executed_flops(s: StepShape) -> float:
   scores = s.rows * s.heads * s.seq_q * s.seq_k
   attn = 4 * scores * s.head_dim * (0.5 if s.attention in FUSED and s.causal else 1.0)
   redo, _, _ = RECOMPUTE[s.remat]
-  layer = 3 * sum(mms.values()) + sum(mms[n] for n in redo) + 3 * attn + (
+  layer = sum(mms.values()) + _backward_matmuls(mms) + sum(
+      mms[n] for n in redo if n in mms) + 3 * attn + (
       attn if _recomputes_attention(s) else 0.0)
   return k * (L * layer + (4 if s.chunked_loss else 3) * head)
 

@@ -183,22 +183,29 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     comm_t[phase][key] = comm_t[phase].get(key, 0.0) + t
 
   stages = _layer_axes(rules, amesh, model.num_layers)
-  local = gathered = gathered_layers = matmul_params = 0.0
+  experts, slots = _expert_widths(model, seq_len)
+  local = gathered = gathered_layers = matmul_params = expert_params = 0.0
   tensor_axes: set[str] = set()
+  expert_axes: set[str] = set()
   untied = any(p.path.endswith("lm_head/kernel") for p in params)
   for p in params:
     nbytes = math.prod(p.shape) * p.itemsize
     dims = _spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else []
     shard = {ax for d in dims for ax in d if mesh[ax] > 1}
-    fsdp = [ax for ax in mesh if ax in shard and ax in batch_axes]
+    # an expert weight split over its experts stays where it is: the tokens come to it
+    held = _expert_mesh_axes(p, dims, mesh)
+    expert_axes |= held
+    fsdp = [ax for ax in mesh if ax in shard and ax in batch_axes and ax not in held]
     replicated = [ax for ax in mesh if ax in batch_axes and ax not in shard]
     local += nbytes / size(shard)
     full = nbytes / size(shard - set(fsdp))      # this device's slice once gathered
     gathered += full
     if fsdp and p.axes and "layers" in p.axes:   # gathered one layer at a time in the scan
       gathered_layers += full
-    if len(p.shape) >= 2:
-      if not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
+    if _is_matrix(p):   # a stacked norm scale (layers, embed) is no matmul
+      if _is_expert_weight(p):
+        expert_params += math.prod(p.shape)
+      elif not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
         matmul_params += math.prod(p.shape)
       tensor_axes |= shard - batch_axes - set(stages)
     add("forward", fsdp, "all-gather", full)
@@ -226,8 +233,15 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   impl = cost_model.resolve_attention(attention or c.attention, chip, c, batch=batch,
                                      seq_len=seq_len, rules=rules, mesh=amesh)
   rows_mb = batch / size(rows) / k
+  moe_axes = tuple(ax for ax in mesh if ax in expert_axes)
+  if experts and moe_axes:   # GShard: dispatch and combine, and their transposes backward
+    dispatched = rows_mb * slots * seq_len * d * a     # [rows, E, C, D] on this device
+    for phase in roofline.PHASES:
+      add(phase, moe_axes, "all-to-all", dispatched, times=2 * local_layers * k)
   seq_q = seq_len / size(seq)
-  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, a)
+  per_token = _activations_per_token(remat, d, heads, kv, hd, mlp, a, slots=slots,
+                                     sequence_slots=slots * seq_len,
+                                     top_k=c.experts_per_token if experts else 0)
   saved_scores, temp_scores = _score_bytes(remat, impl, a)
   scores_per_token = heads * seq_len          # score elements per query token and block
   attention_temp = tokens * scores_per_token * (temp_scores + local_layers * saved_scores)
@@ -251,11 +265,17 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   total_tokens = batch * seq_len
   n = size(mesh)
   attn_flops = 4 * seq_len * c.num_heads * hd * L
-  forward = (2 * matmul_params + attn_flops) * total_tokens
+  # experts: each runs on its slots (capacity x top-k per token), plus the dispatch and
+  # combine einsums, 2 T (E C) D each forward, 3 of them backward (the dispatch's 0/1
+  # assignment gets no gradient)
+  routed = expert_params * slots / experts if experts else 0.0
+  routing = 2 * 2 * slots * seq_len * d * L
+  forward = (2 * (matmul_params + routed) + attn_flops + routing) * total_tokens
   recompute = forward if remat in ("full", "nothing_saveable") else 0.0
   # the chunked loss reruns each chunk's logits matmul in the backward
   loss_rerun = 2 * d * c.vocab_size * total_tokens if chunk else 0.0
-  flops = {"forward": forward / n, "backward": (2 * forward + recompute + loss_rerun) / n}
+  backward = 2 * forward - routing * total_tokens / 2
+  flops = {"forward": forward / n, "backward": (backward + recompute + loss_rerun) / n}
   act_traffic = acts - logits - tokens * scores_per_token * temp_scores
   hbm = {"forward": k * gathered + act_traffic * k,
          "backward": k * gathered * (3 if recompute else 2) + act_traffic * k
@@ -264,24 +284,61 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   for phase in roofline.PHASES:
     for key, v in comm_b[phase].items():
       comm_bytes[key] = comm_bytes.get(key, 0.0) + v
-  # useful FLOPs: no recompute, only the unmasked half of causal attention
-  model_flops = (6 * matmul_params + 3 * attn_flops / 2) * total_tokens
-  experts = c.experts_per_token if getattr(c, "num_experts", 0) else 1
+  # useful FLOPs: top-k experts per token, no recompute, the unmasked half of causal attention
+  active = expert_params * c.experts_per_token / experts if experts else 0.0
+  model_flops = (6 * (matmul_params + active) + 3 * attn_flops / 2) * total_tokens
   gathered_elems = sum(math.prod(p.shape) / size(
       {ax for dd in (_spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else [])
        for ax in dd if mesh[ax] > 1} - batch_axes) for p in params)
   shape = cost_model.StepShape(
       rows=rows_mb, seq_q=seq_q, seq_k=seq_len, embed=d, heads=heads, kv_heads=kv,
-      head_dim=hd, mlp=mlp * experts, vocab=vocab, layers=local_layers, microbatches=k,
+      head_dim=hd, mlp=mlp, vocab=vocab, layers=local_layers, microbatches=k,
       act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
-      gathered_params=gathered_elems, remat=remat, attention=impl, chunked_loss=bool(chunk))
+      gathered_params=gathered_elems, remat=remat, attention=impl, chunked_loss=bool(chunk),
+      experts=experts, expert_slots=slots)
   terms = cost_model.step_terms(shape, chip)
   m = getattr(c, "pipeline_microbatches", 0) or p_stages
   r = getattr(c, "pipeline_repeats", 1)
   bubble = (r * m + p_stages - 1) / (r * m) if p_stages > 1 else 1.0
-  serial = tuple(ax for ax in mesh if ax in set(tensor) | set(seq) | set(stages))
+  # the experts' all-to-alls sit between the router and the experts' matmuls, as
+  # tensor-parallel all-reduces sit between two matmuls
+  serial = tuple(ax for ax in mesh if ax in set(tensor) | set(seq) | set(stages)
+                 | set(moe_axes))
   return Estimate(memory, flops, model_flops, hbm, comm_bytes, comm_b, comm_t, shape, terms,
                   bubble, attention_temp, serial)
+
+
+def _expert_widths(model: Any, seq_len: int) -> tuple[int, float]:
+  """``(E, E C / l)``: a mixture-of-experts model's experts and expert slots per token
+  (``C`` slots per expert and sequence of ``l`` tokens, ``layers.expert_capacity``);
+  ``(0, 0.0)`` for a dense model."""
+  experts = getattr(model, "num_experts", 0) or 0
+  if not experts:
+    return 0, 0.0
+  import layers
+  per_sequence = layers.expert_capacity(seq_len, experts, model.experts_per_token,
+                                        model.capacity_factor)
+  return experts, experts * per_sequence / seq_len
+
+
+def _is_matrix(p: ParamShape) -> bool:
+  """Two or more dims besides a stacked ``layers`` dim: a weight some matmul multiplies."""
+  stacked = 1 if p.axes and "layers" in p.axes else 0
+  return len(p.shape) - stacked >= 2
+
+
+def _is_expert_weight(p: ParamShape) -> bool:
+  """An expert's MLP weight (``('expert', 'embed', None, 'mlp')``): it multiplies only the
+  tokens routed to its expert (the router, ``('embed', 'expert')``, multiplies all)."""
+  return bool(p.axes) and "expert" in p.axes and "mlp" in p.axes
+
+
+def _expert_mesh_axes(p: ParamShape, dims: list[tuple[str, ...]],
+                      mesh: Mapping[str, int]) -> set[str]:
+  """The mesh axes (size > 1) that split an expert weight over its experts."""
+  if not _is_expert_weight(p):
+    return set()
+  return {ax for name, d in zip(p.axes, dims) if name == "expert" for ax in d if mesh[ax] > 1}
 
 
 def _layer_axes(rules, amesh, num_layers: int) -> tuple[str, ...]:
@@ -350,7 +407,9 @@ def _split(rules, amesh, name: str, dim: int, batch: int, seq_len: int) -> int:
 
 
 def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: float,
-                           mlp: float, a: int) -> tuple[float, float]:
+                           mlp: float, a: int, *, slots: float = 0.0,
+                           sequence_slots: float = 0.0, top_k: int = 0
+                           ) -> tuple[float, float]:
   """(bytes saved per token per block for the backward, bytes live once for the block the
   backward recomputes), from what ``layers``' block keeps (scores apart, :func:`_score_bytes`):
 
@@ -365,15 +424,33 @@ def _activations_per_token(remat: str, d: float, heads: float, kv: float, hd: fl
     backward runs;
   * MaxText's host-offloading policies (:data:`recipes.cost_model.OFFLOADED`): the block
     input unless it is offloaded too, and one block's ``none`` set.
+
+  A mixture-of-experts block (``slots`` expert slots per token, ``sequence_slots`` = ``E C``
+  per sequence, ``top_k`` choices) replaces the MLP's terms, as JAX saves them
+  (``jax.ad_checkpoint.print_saved_residuals`` of ``layers._moe.moe``): under ``none`` the
+  experts' ``4 F`` and their dispatched input and output (``2 D``) per slot, the dispatch
+  and combine tensors (``E C`` each, compute dtype) and the fp32 slot assignment
+  (``k E C``) per token; under ``dots`` the dot outputs: the dispatched input, both expert
+  projections and the fp32 combine weights, the slot assignment and dispatch being
+  recomputed for one block at a time in the backward.
   """
-  none = 16 * d + a * (2 * d + 2 * heads * hd + 2 * kv * hd + 4 * mlp)
-  dots = a * (heads * hd + 2 * kv * hd + heads * hd + d + 2 * mlp + d)
+  attention_none = 16 * d + a * (2 * d + 2 * heads * hd + 2 * kv * hd)
+  attention_dots = a * (heads * hd + 2 * kv * hd + heads * hd + d)
+  if slots:
+    none = attention_none + a * (slots * (4 * mlp + 2 * d) + 2 * sequence_slots) + \
+        4 * top_k * sequence_slots
+    dots = attention_dots + a * slots * (2 * d + 2 * mlp) + 4 * sequence_slots
+    routing = 4 * (top_k + 1) * sequence_slots   # what dots recomputes, one block at a time
+  else:
+    none = attention_none + a * 4 * mlp
+    dots = attention_dots + a * (2 * mlp + d)
+    routing = 0.0
   if remat in cost_model.OFFLOADED:
     return (0.0 if cost_model.OFFLOADED[remat] else a * d), none
   redo = cost_model.RECOMPUTE.get(remat, ((), False, False))[0]
   if remat in ("full", "nothing_saveable") or redo == cost_model.RERUN:
     return a * d, none
-  return (none, 0.0) if remat == "none" else (dots, 0.0)
+  return (none, 0.0) if remat == "none" else (dots, routing)
 
 
 def _itemsize(dtype) -> int:

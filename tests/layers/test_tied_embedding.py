@@ -11,7 +11,6 @@ projection's forward pass.
 """
 
 import dataclasses
-import math
 import pathlib
 
 import jax
@@ -19,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
+from jaxpr_testlib import matmul_flops
 from layers_testlib import FRAMEWORKS, TARGETS, TOKENS, build, config, loss_fn
 from mesh_testlib import make_mesh
 
@@ -70,25 +70,6 @@ def test_tied_table_gradient_equals_untied_autodiff(framework, sharded):
   _assert_grads_close(layers.to_canonical(got), want)
 
 
-def _matmul_flops(jaxpr, times=1):
-  """``2 * prod(out) * prod(contracted)`` over every ``dot_general`` of a jaxpr, loop bodies
-  counted once per iteration (``scan``'s length), nested jaxprs included."""
-  total = 0
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "dot_general":
-      (contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval.shape
-      total += times * 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(
-          lhs[d] for d in contract)
-    inner = times * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
-    for param in eqn.params.values():
-      for sub in param if isinstance(param, (list, tuple)) else [param]:
-        sub = getattr(sub, "jaxpr", sub)
-        if hasattr(sub, "eqns"):
-          total += _matmul_flops(sub, inner)
-  return total
-
-
 def test_one_device_step_costs_the_matmul_flops_of_an_independent_llama():
   cfg = layers.TransformerConfig(vocab_size=512, embed_dim=32, mlp_dim=64, num_heads=4,
                                  num_kv_heads=2, head_dim=8, num_layers=2, max_len=64,
@@ -96,7 +77,7 @@ def test_one_device_step_costs_the_matmul_flops_of_an_independent_llama():
   tokens = jnp.zeros((2, 64), jnp.int32)
   ours, ours_grad = accelerator._ours(cfg, *tokens.shape)
   ref, ref_grad = accelerator._reference(cfg, None)
-  ours_flops = _matmul_flops(jax.make_jaxpr(ours_grad)(ours, tokens).jaxpr)
-  ref_flops = _matmul_flops(jax.make_jaxpr(ref_grad)(ref, tokens).jaxpr)
+  ours_flops = matmul_flops(jax.make_jaxpr(ours_grad)(ours, tokens).jaxpr)
+  ref_flops = matmul_flops(jax.make_jaxpr(ref_grad)(ref, tokens).jaxpr)
   one_hot_dot = 2 * tokens.size * cfg.vocab_size * cfg.embed_dim
   assert ours_flops == ref_flops, (ours_flops, ref_flops, one_hot_dot)
