@@ -27,7 +27,13 @@ device per micro-batch, ``a`` bytes per activation element):
   replicated over a batch axis has its gradient all-reduced once per step; axes that shard
   weights but not the batch (tensor parallelism) all-reduce ``[T, D]`` activations twice
   per layer forward and twice backward per micro-batch (Megatron); a sharded sequence
-  all-gathers keys and values per layer (and reduce-scatters their gradients).
+  all-gathers keys and values per layer (and reduce-scatters their gradients); experts
+  split over a mesh axis stay there and four all-to-alls per layer move the dispatched
+  tokens (GShard).
+
+A mixture-of-experts block's experts run on their capacity's slots (``E C / l`` per token),
+not on every token, and its router, dispatch and combine are matmuls of their own
+(:func:`recipes.cost_model._block_matmuls`); the useful FLOPs count the top-k experts.
 """
 
 from __future__ import annotations
