@@ -56,7 +56,6 @@ FUSED = ("cudnn", "pallas")
 # router, the dispatch and both expert projections (the combine's gate gradient needs the
 # experts' outputs); the combine itself feeds the residual sum.
 MATMULS = ("qkv", "out", "mlp_in", "mlp_out")
-MOE_MATMULS = ("router", "dispatch", "expert_in", "expert_out", "combine")
 RERUN = ("qkv", "out", "mlp_in", "router", "dispatch", "expert_in", "expert_out")
 # Backward passes per forward matmul: two (the input's and the weight's gradient), but the
 # dispatch's 0/1 slot assignment gets no gradient.
