@@ -180,8 +180,8 @@ def expert_bytes(cfg: layers.TransformerConfig, rows: int, length: int, e: int,
   """GShard §2.2: per MoE layer 4 all-to-alls over the ``e`` expert devices of a device's
   dispatched tokens ``[rows, experts, capacity, embed]`` (``rows`` its sequences): dispatch
   and combine forward, their transposes backward."""
-  slots = layers.expert_capacity(length, cfg.num_experts, cfg.experts_per_token,
-                                 capacity_factor)
+  # the model's capacity rule (layers' MoE docs): ceil(factor * length * top_k / experts)
+  slots = max(1, math.ceil(capacity_factor * length * cfg.experts_per_token / cfg.num_experts))
   dispatched = rows * cfg.num_experts * slots * cfg.embed_dim * F32
   return cfg.num_layers * 4 * _ring("all-to-all", dispatched, e)
 

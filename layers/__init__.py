@@ -20,8 +20,8 @@ from layers._decode import cache_bytes_per_device as cache_bytes_per_device
 from layers._decode import init_cache as init_cache
 from layers._decode import Sampling as Sampling
 from layers._loss import chunked_cross_entropy as chunked_cross_entropy
-from layers._moe import capacity as expert_capacity
 from layers._loss import cross_entropy as cross_entropy
+from layers._moe import capacity as expert_capacity
 from layers._params import LayerArgumentError as LayerArgumentError
 from layers._canonical import from_canonical as from_canonical
 from layers._canonical import to_canonical as to_canonical

@@ -199,7 +199,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     dims = _spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else []
     shard = {ax for d in dims for ax in d if mesh[ax] > 1}
     # an expert weight split over its experts stays where it is: the tokens come to it
-    held = _expert_mesh_axes(p, dims, mesh)
+    expert = _is_expert_weight(p)
+    held = _expert_mesh_axes(p, dims, mesh) if expert else set()
     expert_axes |= held
     fsdp = [ax for ax in mesh if ax in shard and ax in batch_axes and ax not in held]
     replicated = [ax for ax in mesh if ax in batch_axes and ax not in shard]
@@ -209,7 +210,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     if fsdp and p.axes and "layers" in p.axes:   # gathered one layer at a time in the scan
       gathered_layers += full
     if _is_matrix(p):   # a stacked norm scale (layers, embed) is no matmul
-      if _is_expert_weight(p):
+      if expert:
         expert_params += math.prod(p.shape)
       elif not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
         matmul_params += math.prod(p.shape)
@@ -342,8 +343,6 @@ def _is_expert_weight(p: ParamShape) -> bool:
 def _expert_mesh_axes(p: ParamShape, dims: list[tuple[str, ...]],
                       mesh: Mapping[str, int]) -> set[str]:
   """The mesh axes (size > 1) that split an expert weight over its experts."""
-  if not _is_expert_weight(p):
-    return set()
   return {ax for name, d in zip(p.axes, dims) if name == "expert" for ax in d if mesh[ax] > 1}
 
 

@@ -4,6 +4,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from mesh_testlib import make_mesh
 
 from layers import _moe
 
@@ -133,8 +135,6 @@ def test_top_k_is_lax_top_k_ties_and_gradients_included(k):
 def test_routing_keeps_a_batch_sharded_router_on_its_devices():
   # lax.top_k is not partitioned by XLA: it gathered the router's (batch, length, expert)
   # probabilities from all 8 devices, and every device routed the global batch
-  from jax.sharding import NamedSharding, PartitionSpec
-  from mesh_testlib import make_mesh
   mesh = make_mesh((8,), ("data",), jax.sharding.AxisType.Auto)
   logits = jax.device_put(jax.random.normal(jax.random.key(0), (8, 32, 4)),
                           NamedSharding(mesh, PartitionSpec("data")))
