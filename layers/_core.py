@@ -159,7 +159,7 @@ def lookup_table(table: Array, batch_size: int) -> Array:
   return partition.constrain(table, (None if vocab & batch else "vocab", None))
 
 
-def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
+def fsdp_gather(weights: Any, axes: Any, batch_size: int, dtypes: Any = None) -> Any:
   """Weights all-gathered over the batch's mesh axes (FSDP / ZeRO-3), once per use site.
 
   Each weight of the tree ``weights`` (logical ``axes``: a matching tree of tuples) is
@@ -172,21 +172,33 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int) -> Any:
   keeps its mesh axes even when they are the batch's (expert parallelism moves the tokens to
   the experts, not the experts to the tokens). Weights the batch's
   mesh axes do not shard, and any weight without rules or mesh, are returned as they are.
+
+  ``dtypes`` (one dtype, or a tree matching ``weights`` with a dtype or ``None`` per
+  weight): the dtype the model computes with that weight. A gathered weight is cast to it
+  while still sharded, so the all-gather sends the 16-bit working copy, not the fp32
+  master copy (ZeRO's 2 bytes per parameter; XLA's partitioner otherwise gathers the
+  parameter and casts the gathered copy). The values are the same: casting commutes with
+  gathering.
   """
   rules, mesh = partition.current_rules(), partition.current_rules_mesh()
   if rules is None or mesh is None:
     return weights
   batch = set(batch_mesh_axes(batch_size))
 
-  def one(w, names):
+  def one(w, names, dtype=None):
     spec = rules.spec(tuple(names), w.shape, mesh)
     kept = [entry if name == "expert" else drop_axes(entry, batch)  # experts stay put
             for name, entry in zip(names, spec)]
     if kept == list(spec):
       return w
+    if dtype is not None and w.dtype != dtype:   # pinned sharded, or XLA casts after
+      w = partition.constrain(w.astype(dtype), jax.sharding.PartitionSpec(*spec))
     return _gathered(w, jax.sharding.PartitionSpec(*kept))
 
-  return jax.tree.map(one, weights, axes, is_leaf=lambda a: isinstance(a, tuple))
+  is_axes = lambda a: isinstance(a, tuple)
+  if dtypes is None or not isinstance(dtypes, (dict, list)):
+    return jax.tree.map(lambda w, names: one(w, names, dtypes), weights, axes, is_leaf=is_axes)
+  return jax.tree.map(one, weights, axes, dtypes, is_leaf=is_axes)
 
 
 def drop_axes(entry: Any, axes: set[str]) -> Any:

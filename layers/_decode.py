@@ -235,7 +235,8 @@ def _logits(params: Params, h: Array, config: TransformerConfig) -> Array:
   """``h (batch, T, embed)`` -> logits ``(batch, T, vocab)``, tied or not."""
   c = config
   if c.tie_embeddings:
-    table = _core.fsdp_gather(params["embed"]["embedding"], ("vocab", "embed"), h.shape[0])
+    table = _core.fsdp_gather(params["embed"]["embedding"], ("vocab", "embed"), h.shape[0],
+                              c.dtype)
     logits = _core.attend(h, table, dtype=c.dtype)
   else:
     logits = _core.dense(h, params["lm_head"]["kernel"], dtype=c.dtype)

@@ -65,7 +65,7 @@ def block(p: Params, x: Array, config: TransformerConfig, mask: Mask | Array | N
     ``cache`` (decoding), ``(x, aux, updated cache)``.
   """
   c = config
-  p = _core.fsdp_gather(p, _block_axes(c), x.shape[0])
+  p = _core.fsdp_gather(p, _block_axes(c), x.shape[0], _block_dtypes(c))
   h = _core.rms_norm(x, p["attn_norm"]["scale"], eps=c.norm_eps)
   h = _core.attention(p["attn"], h, mask=mask, positions=positions, rope_theta=c.rope_theta,
                       rope_scaling=c.rope_scaling, norm_eps=c.norm_eps, dtype=c.dtype,
@@ -88,6 +88,17 @@ def _block_axes(config: TransformerConfig) -> dict[str, Any]:
   """The logical axes of one block's params, as a tree of tuples (read, never modified:
   an unrolled stack asks once per block)."""
   return spec_axes(block_params(config))
+
+
+@functools.cache
+def _block_dtypes(config: TransformerConfig) -> dict[str, Any]:
+  """The dtype the block computes with each of its params: ``config.dtype`` for the
+  projections' kernels and biases and the experts' weights, ``None`` (as stored) for the
+  norm scales and the router, which it reads in fp32."""
+  def dtype(path, _):
+    return config.dtype if path[-1].key in ("kernel", "bias", "wi", "wo") else None
+  return jax.tree_util.tree_map_with_path(dtype, _block_axes(config),
+                                          is_leaf=lambda a: isinstance(a, tuple))
 
 
 def apply_blocks(blocks: Params | Sequence[Params], x: Array, config: TransformerConfig,
@@ -197,17 +208,19 @@ def _tied_lm(config: TransformerConfig):
   def forward(table, rest, tokens, valid, segment_ids, differentiated=True):
     # One gathered copy of an FSDP-sharded table serves the lookup, the output projection
     # and the backward pass (XLA would gather it once per use).
-    table = _core.fsdp_gather(table, ("vocab", "embed"), tokens.shape[0])
+    stored = table
+    table = _core.fsdp_gather(table, ("vocab", "embed"), tokens.shape[0], config.dtype)
     x0 = partition.constrain(_core.embed(tokens, table, dtype=config.dtype), _core.EMBED)
     body = lambda r, x: _body(r, x, config, tokens, valid, segment_ids)
     # Outside autodiff (init, eval) the body is just called: tracing it through jax.vjp
     # would cost a linearization that nothing uses.
     (h, aux), body_vjp = jax.vjp(body, rest, x0) if differentiated else (body(rest, x0), None)
     logits = partition.constrain(_core.attend(h, table, dtype=config.dtype), _core.LOGITS)
-    return (logits, aux), (table, tokens, h, body_vjp)
+    # the parameter as stored (no copy: an input) gives the gradient its dtype
+    return (logits, aux), (table, stored, tokens, h, body_vjp)
 
   def backward(residuals, cotangents):
-    table, tokens, h, body_vjp = residuals
+    table, stored, tokens, h, body_vjp = residuals
     dlogits, daux = cotangents
     dtype = dlogits.dtype
     dh = partition.constrain(jnp.einsum("blv,ve->ble", dlogits, table.astype(dtype)),
@@ -224,7 +237,7 @@ def _tied_lm(config: TransformerConfig):
       dtable = jnp.einsum("blv,ble->ve", dlogits, h.astype(dtype),
                           preferred_element_type=jnp.float32)
       dtable = dtable.at[tokens].add(dx0.astype(jnp.float32))
-    return dtable.astype(table.dtype), drest, None, None, None
+    return dtable.astype(stored.dtype), drest, None, None, None
 
   lm = jax.custom_vjp(lambda table, rest, tokens, valid, segment_ids: forward(
       table, rest, tokens, valid, segment_ids, differentiated=False)[0])
@@ -279,8 +292,9 @@ def transformer(p: Params, tokens: Array, config: TransformerConfig,
   else:
     x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
     h, aux = _body(rest, x, c, tokens, valid, segment_ids)
-    logits = partition.constrain(_core.dense(h, p["lm_head"]["kernel"], dtype=c.dtype),
-                                 _core.LOGITS)
+    kernel = _core.fsdp_gather(p["lm_head"]["kernel"], ("embed", "vocab"), tokens.shape[0],
+                               c.dtype)
+    logits = partition.constrain(_core.dense(h, kernel, dtype=c.dtype), _core.LOGITS)
   out = logits if targets is None else _loss.cross_entropy(logits, targets)
   return out, _core.merge_aux(aux)
 
@@ -299,9 +313,9 @@ def _chunked_loss(p: Params, tokens: Array, targets: Array, config: TransformerC
   c, batch = config, tokens.shape[0]
   table = p["embed"]["embedding"]
   if c.tie_embeddings:
-    table = weights = _core.fsdp_gather(table, ("vocab", "embed"), batch)
+    table = weights = _core.fsdp_gather(table, ("vocab", "embed"), batch, c.dtype)
   else:
-    weights = _core.fsdp_gather(p["lm_head"]["kernel"], ("embed", "vocab"), batch)
+    weights = _core.fsdp_gather(p["lm_head"]["kernel"], ("embed", "vocab"), batch, c.dtype)
   x = partition.constrain(_core.embed(tokens, table, dtype=c.dtype), _core.EMBED)
   rest = {k: v for k, v in p.items() if k not in ("embed", "lm_head")}
   h, aux = _body(rest, x, c, tokens, valid, segment_ids)

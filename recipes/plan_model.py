@@ -23,7 +23,8 @@ device per micro-batch, ``a`` bytes per activation element):
   layer; backward twice that; full remat reruns the forward inside the backward, the chunked
   loss its logits matmul;
 * collectives: a parameter sharded over a batch axis (FSDP) is all-gathered in the forward
-  and again in the backward and its gradient reduce-scattered once per micro-batch; one
+  and again in the backward (in the compute dtype where ``layers`` computes with it,
+  :func:`_cast_before_gather`) and its gradient reduce-scattered once per micro-batch; one
   replicated over a batch axis has its gradient all-reduced once per step; axes that shard
   weights but not the batch (tensor parallelism) all-reduce ``[T, D]`` activations twice
   per layer forward and twice backward per micro-batch (Megatron); a sharded sequence
@@ -191,6 +192,7 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   stages = _layer_axes(rules, amesh, model.num_layers)
   experts, slots = _expert_widths(model, seq_len)
   local = gathered = gathered_layers = matmul_params = expert_params = 0.0
+  local_layers_fsdp = 0.0
   tensor_axes: set[str] = set()
   expert_axes: set[str] = set()
   untied = any(p.path.endswith("lm_head/kernel") for p in params)
@@ -209,14 +211,17 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
     gathered += full
     if fsdp and p.axes and "layers" in p.axes:   # gathered one layer at a time in the scan
       gathered_layers += full
+      local_layers_fsdp += nbytes / size(shard)
     if _is_matrix(p):   # a stacked norm scale (layers, embed) is no matmul
       if expert:
         expert_params += math.prod(p.shape)
       elif not (untied and p.path.endswith("embed/embedding")):   # a lookup, not a matmul
         matmul_params += math.prod(p.shape)
       tensor_axes |= shard - batch_axes - set(stages)
-    add("forward", fsdp, "all-gather", full)
-    add("backward", fsdp, "all-gather", full)
+    # layers gathers the weights it computes with in the compute dtype (cast while sharded)
+    sent = full * a / p.itemsize if a < p.itemsize and _cast_before_gather(p, untied) else full
+    add("forward", fsdp, "all-gather", sent)
+    add("backward", fsdp, "all-gather", sent)
     add("backward", fsdp, "reduce-scatter", full, times=k)
     add("backward", replicated, "all-reduce", nbytes / size(shard))
 
@@ -261,7 +266,10 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   # the gradient, plus a second copy where it is reduced over devices (the all-reduce or
   # reduce-scatter writes a new buffer: CPU compiles, 8 devices, data_parallel and FSDP, 4 to
   # 16 layers) or accumulated over micro-batches
-  grads = local * (2 if k > 1 or size(rows) * size(seq) > 1 else 1)
+  # (CPU compiles, 8 devices, FSDP=2..8: the scanned layers' FSDP-sharded gradients get no
+  # second copy once a policy recomputes the gathered weights, remat dots or full)
+  reduced = local - (local_layers_fsdp if remat != "none" and k == 1 else 0.0)
+  grads = local + (reduced if k > 1 or size(rows) * size(seq) > 1 else 0.0)
   weights = _weight_copies(gathered, gathered_layers, local_layers, remat, a,
                            _param_itemsize(params))
   memory = {"params": local, "optimizer": ADAM_MOMENTS * local, "gradients": grads,
@@ -332,6 +340,16 @@ def _is_matrix(p: ParamShape) -> bool:
   """Two or more dims besides a stacked ``layers`` dim: a weight some matmul multiplies."""
   stacked = 1 if p.axes and "layers" in p.axes else 0
   return len(p.shape) - stacked >= 2
+
+
+def _cast_before_gather(p: ParamShape, untied: bool) -> bool:
+  """Whether ``layers`` casts the weight to the compute dtype before its FSDP all-gather
+  (``layers._core.fsdp_gather``'s ``dtypes``): the projections' kernels and biases, the
+  experts' weights and a tied table (or the chunked loss's); not the norm scales and the
+  router, which it reads in fp32, nor an untied table's lookup."""
+  name = p.path.rsplit("/", 1)[-1]
+  return name in ("kernel", "bias", "wi", "wo") or (
+      p.path.endswith("embed/embedding") and not untied)
 
 
 def _is_expert_weight(p: ParamShape) -> bool:

@@ -7,8 +7,11 @@ once, and an FSDP embedding lookup that never moves the batch's tokens or activa
 """
 
 import math
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -168,3 +171,56 @@ def test_expert_parallel_step_is_four_all_to_alls_per_moe_layer():
   gathered = [s for kind, shapes, _ in _collectives(text) if kind == "all-gather"
               for s in shapes]
   assert all(s[-1] == cfg.num_experts for s in gathered), (gathered, stats)
+
+
+
+
+def _partitioned_hlo(tmp_path, preset, mesh_shape, axis_names, batch, **cfg):
+  """The gradient step's HLO right after XLA's SPMD partitioner, dumped by a subprocess.
+  Its collectives carry the program's dtypes; XLA:CPU then promotes bf16 collectives to
+  fp32 (its float normalization, for lack of bf16 reductions), which GPUs and TPUs do not,
+  so the final CPU HLO cannot show a bf16 all-gather."""
+  here = pathlib.Path(__file__).resolve().parent
+  script = (f"import sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]\n"
+            "import jax; jax.config.update('jax_num_cpu_devices', 8)\n"
+            "import test_layers_collectives as t\n"
+            f"t._stats({preset!r}, {mesh_shape!r}, {axis_names!r}, t.config(**{cfg!r}), "
+            f"batch={batch})\n")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+      f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning"))
+  subprocess.run([sys.executable, "-c", script], env=env, check=True, capture_output=True)
+  dumps = sorted(tmp_path.glob("*jit_loss*after_spmd-partitioning*.txt"))
+  assert len(dumps) == 1, [d.name for d in tmp_path.iterdir()]
+  return dumps[0].read_text()
+
+
+def _gathered_dtypes(text):
+  """``{result shape: element types}`` of the all-gathers in HLO text."""
+  out = {}
+  for line in text.splitlines():
+    m = re.search(r"= (.*?) all-gather(-start)?\(", re.sub(r"/\*.*?\*/", "", line))
+    for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", m.group(1)) if m else ():
+      out.setdefault(tuple(int(d) for d in dims.split(",") if d), set()).add(dtype)
+  return out
+
+
+@pytest.mark.parametrize("num_experts", [0, 4], ids=["dense", "moe"])
+def test_fsdp_gathers_weights_in_the_compute_dtype(num_experts, tmp_path):
+  # ZeRO-3 gathers the 16-bit working copy of a weight, not its fp32 master copy (ZeRO §5:
+  # 2 bytes per parameter). The block's matrices and the tied table are cast while still
+  # sharded, so a bf16 model with fp32 parameters sends half the bytes (XLA's partitioner
+  # gathered the parameter and cast the gathered copy); the norm scales and the router,
+  # which the model reads in fp32, are gathered as they are.
+  from layers._params import transformer_params
+  changes = dict(num_layers=2, dtype="bfloat16", param_dtype="float32", scan_layers=True,
+                 num_experts=num_experts)
+  gathered = _gathered_dtypes(_partitioned_hlo(tmp_path, "fsdp", (2, 4), ("data", "fsdp"),
+                                               16, **changes))
+  specs = jax.tree_util.tree_leaves_with_path(transformer_params(config(**changes)),
+                                              is_leaf=lambda s: hasattr(s, "axes"))
+  for path, spec in specs:
+    name = jax.tree_util.keystr(path)
+    one_layer = spec.shape[1:] if spec.axes[0] == "layers" else spec.shape
+    want = "f32" if "norm" in name or "router" in name else "bf16"
+    assert gathered.get(one_layer, gathered.get((1, *one_layer))) == {want}, (
+        name, one_layer, gathered)

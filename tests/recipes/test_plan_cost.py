@@ -196,7 +196,9 @@ def test_a_fused_kernel_the_planning_host_lacks_is_planned_for_the_chip(tmp_path
   report = json.loads(text)
   assert report["compile_failures"] == {}
   assert {p["attention"] for p in report["plans"]} == {"cudnn"}
-  assert report["plans"][0]["compiled"] is not None
+  # compiled here: the plan the analytic ranking put first (the compile's memory may then
+  # move it among plans tied on time)
+  assert sum(p["compiled"] is not None for p in report["plans"]) == 1
   assert load_config(out).model.attention == "cudnn"
   # A kernel the chip itself cannot run is the model's error, as training there would be.
   code, _, err = _cli("--compile", "0", *common[:-1], "model.attention=cudnn",
