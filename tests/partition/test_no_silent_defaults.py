@@ -120,6 +120,30 @@ def test_xmap_rules_on_a_mesh_lacking_the_rules_axis_warn(mesh):
   assert "Add those axes to the mesh (size 1" in text
 
 
+@pytest.mark.parametrize("resource", [partition.SerialLoop(4), "data",
+                                      ("data", partition.SerialLoop(4))],
+                         ids=["loop", "mesh-axis", "mesh-axis-and-loop"])
+def test_xmap_rules_no_candidate_of_which_divides_the_axis_warn(mesh, resource):
+  # The user asked for a split or a loop; a size nothing divides used to run the axis
+  # vectorised on one device with no word (the dict form raises AxisSizeError).
+  rules = partition.AxisRules([("batch", resource)])
+  f = partition.xmap(lambda v: v * 2, ["batch", ...], ["batch", ...], axis_resources=rules,
+                     mesh=mesh)
+  y, found = caught(lambda: f(jnp.ones((6, 3))))
+  np.testing.assert_array_equal(y, 2 * np.ones((6, 3)))
+  assert len(found) == 1 and found[0].filename == __file__
+  text = str(found[0].message)
+  assert text.startswith("xmap axis 'batch' (size 6) gets no resources: no rule for it "
+                         "divides its size (rule #0: size 6, needs a multiple of ")
+  assert "neither split nor looped" in text and "add a fallback rule for 'batch'" in text
+  # a fallback that divides, or a null rule, is what the rules say: no warning
+  for table in ([("batch", ("data", "model")), ("batch", "data")], [("batch", None)]):
+    _, found = caught(lambda table=table: partition.xmap(
+        lambda v: v * 2, ["batch", ...], ["batch", ...], axis_resources=partition.AxisRules(
+            table), mesh=mesh)(jnp.ones((6, 3)) if table[0][1] is None else jnp.ones((4, 3))))
+    assert found == []
+
+
 class _Mlp(nn.Module):
   @nn.compact
   def __call__(self, x):
