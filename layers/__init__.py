@@ -23,6 +23,7 @@ from layers._loss import chunked_cross_entropy as chunked_cross_entropy
 from layers._loss import cross_entropy as cross_entropy
 from layers._moe import capacity as expert_capacity
 from layers._params import LayerArgumentError as LayerArgumentError
+from layers._params import gathered_in_compute_dtype as gathered_in_compute_dtype
 from layers._canonical import from_canonical as from_canonical
 from layers._canonical import to_canonical as to_canonical
 from layers.hf import HFError as HFError

@@ -173,8 +173,8 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int, dtypes: Any = None) ->
   the experts, not the experts to the tokens). Weights the batch's
   mesh axes do not shard, and any weight without rules or mesh, are returned as they are.
 
-  ``dtypes`` (one dtype, or a tree matching ``weights`` with a dtype or ``None`` per
-  weight): the dtype the model computes with that weight. A gathered weight is cast to it
+  ``dtypes`` (a tree matching ``weights``, a dtype or ``None`` per weight; one dtype for
+  one weight): the dtype the model computes with that weight. A gathered weight is cast to it
   while still sharded, so the all-gather sends the 16-bit working copy, not the fp32
   master copy (ZeRO's 2 bytes per parameter; XLA's partitioner otherwise gathers the
   parameter and casts the gathered copy). The values are the same: casting commutes with
@@ -191,14 +191,14 @@ def fsdp_gather(weights: Any, axes: Any, batch_size: int, dtypes: Any = None) ->
             for name, entry in zip(names, spec)]
     if kept == list(spec):
       return w
-    if dtype is not None and w.dtype != dtype:   # pinned sharded, or XLA casts after
+    if dtype is not None and w.dtype != dtype:
+      # the cast pinned to the shard's sharding: unpinned, sharding propagation moves the
+      # gather before it (onto the fp32 parameter)
       w = partition.constrain(w.astype(dtype), jax.sharding.PartitionSpec(*spec))
     return _gathered(w, jax.sharding.PartitionSpec(*kept))
 
-  is_axes = lambda a: isinstance(a, tuple)
-  if dtypes is None or not isinstance(dtypes, (dict, list)):
-    return jax.tree.map(lambda w, names: one(w, names, dtypes), weights, axes, is_leaf=is_axes)
-  return jax.tree.map(one, weights, axes, dtypes, is_leaf=is_axes)
+  trees = (weights, axes) if dtypes is None else (weights, axes, dtypes)
+  return jax.tree.map(one, *trees, is_leaf=lambda a: isinstance(a, tuple))
 
 
 def drop_axes(entry: Any, axes: set[str]) -> Any:

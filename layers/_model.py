@@ -36,6 +36,7 @@ from layers import _core, _loss, _moe
 from layers._attention import Mask, array_problems
 from layers._config import ConfigError, TransformerConfig
 from layers._params import (
+  COMPUTE_DTYPE_PARAMS,
   LayerArgumentError,
   block_params,
   check_mesh,
@@ -96,7 +97,7 @@ def _block_dtypes(config: TransformerConfig) -> dict[str, Any]:
   projections' kernels and biases and the experts' weights, ``None`` (as stored) for the
   norm scales and the router, which it reads in fp32."""
   def dtype(path, _):
-    return config.dtype if path[-1].key in ("kernel", "bias", "wi", "wo") else None
+    return config.dtype if path[-1].key in COMPUTE_DTYPE_PARAMS else None
   return jax.tree_util.tree_map_with_path(dtype, _block_axes(config),
                                           is_leaf=lambda a: isinstance(a, tuple))
 

@@ -146,6 +146,23 @@ def _stacked(spec: ParamSpec, layers: int) -> ParamSpec:
   return ParamSpec((layers, *spec.shape), ("layers", *spec.axes), init_stack)
 
 
+# Params the blocks compute with in the model's dtype (the projections' kernels and biases,
+# the experts' weights); the norm scales and the router are read in fp32.
+COMPUTE_DTYPE_PARAMS = ("kernel", "bias", "wi", "wo")
+
+
+def gathered_in_compute_dtype(path: str, *, tied: bool = True) -> bool:
+  """Whether the model casts the parameter at ``path`` (``'blocks/mlp/wi/kernel'``) to
+  ``config.dtype`` before its FSDP all-gather (``layers._core.fsdp_gather``): the
+  :data:`COMPUTE_DTYPE_PARAMS` and a tied table; an untied table is looked up, not gathered.
+
+  >>> [gathered_in_compute_dtype(p) for p in ('blocks/attn/qkv/kernel', 'blocks/moe/router')]
+  [True, False]
+  """
+  return path.rsplit("/", 1)[-1] in COMPUTE_DTYPE_PARAMS or (
+      tied and path.endswith("embed/embedding"))
+
+
 def spec_axes(specs: Any) -> Any:
   """The logical axes of a tree of :class:`ParamSpec`, one tuple per parameter."""
   return jax.tree.map(lambda s: s.axes, specs, is_leaf=lambda s: isinstance(s, ParamSpec))

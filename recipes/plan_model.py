@@ -23,8 +23,9 @@ device per micro-batch, ``a`` bytes per activation element):
   layer; backward twice that; full remat reruns the forward inside the backward, the chunked
   loss its logits matmul;
 * collectives: a parameter sharded over a batch axis (FSDP) is all-gathered in the forward
-  and again in the backward (in the compute dtype where ``layers`` computes with it,
-  :func:`_cast_before_gather`) and its gradient reduce-scattered once per micro-batch; one
+  and again in the backward (in the compute dtype where ``layers`` computes with it:
+  ``layers.gathered_in_compute_dtype``) and its gradient reduce-scattered once per
+  micro-batch; one
   replicated over a batch axis has its gradient all-reduced once per step; axes that shard
   weights but not the batch (tensor parallelism) all-reduce ``[T, D]`` activations twice
   per layer forward and twice backward per micro-batch (Megatron); a sharded sequence
@@ -168,6 +169,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   (``cost_model.resolve_attention``) is what the cost model prices and whose working set the
   memory counts."""
   from jax.sharding import AbstractMesh
+
+  import layers
   amesh = AbstractMesh(tuple(mesh.values()), tuple(mesh))
   size = lambda axes: math.prod(mesh[a] for a in axes)
   rows, seq = batch_groups(rules, mesh, batch, seq_len)
@@ -219,7 +222,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
         matmul_params += math.prod(p.shape)
       tensor_axes |= shard - batch_axes - set(stages)
     # layers gathers the weights it computes with in the compute dtype (cast while sharded)
-    sent = full * a / p.itemsize if a < p.itemsize and _cast_before_gather(p, untied) else full
+    cast = a < p.itemsize and layers.gathered_in_compute_dtype(p.path, tied=not untied)
+    sent = full * a / p.itemsize if cast else full
     add("forward", fsdp, "all-gather", sent)
     add("backward", fsdp, "all-gather", sent)
     add("backward", fsdp, "reduce-scatter", full, times=k)
@@ -265,9 +269,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   acts = tokens * (local_layers * per_token[0] + per_token[1]) + attention_temp + logits
   # the gradient, plus a second copy where it is reduced over devices (the all-reduce or
   # reduce-scatter writes a new buffer: CPU compiles, 8 devices, data_parallel and FSDP, 4 to
-  # 16 layers) or accumulated over micro-batches
-  # (CPU compiles, 8 devices, FSDP=2..8: the scanned layers' FSDP-sharded gradients get no
-  # second copy once a policy recomputes the gathered weights, remat dots or full)
+  # 16 layers) or accumulated over micro-batches; none for the scanned layers' FSDP-sharded
+  # gradients under remat dots / full without micro-batches (CPU compiles, FSDP 2 to 8)
   reduced = local - (local_layers_fsdp if remat != "none" and k == 1 else 0.0)
   grads = local + (reduced if k > 1 or size(rows) * size(seq) > 1 else 0.0)
   weights = _weight_copies(gathered, gathered_layers, local_layers, remat, a,
@@ -340,16 +343,6 @@ def _is_matrix(p: ParamShape) -> bool:
   """Two or more dims besides a stacked ``layers`` dim: a weight some matmul multiplies."""
   stacked = 1 if p.axes and "layers" in p.axes else 0
   return len(p.shape) - stacked >= 2
-
-
-def _cast_before_gather(p: ParamShape, untied: bool) -> bool:
-  """Whether ``layers`` casts the weight to the compute dtype before its FSDP all-gather
-  (``layers._core.fsdp_gather``'s ``dtypes``): the projections' kernels and biases, the
-  experts' weights and a tied table (or the chunked loss's); not the norm scales and the
-  router, which it reads in fp32, nor an untied table's lookup."""
-  name = p.path.rsplit("/", 1)[-1]
-  return name in ("kernel", "bias", "wi", "wo") or (
-      p.path.endswith("embed/embedding") and not untied)
 
 
 def _is_expert_weight(p: ParamShape) -> bool:

@@ -37,6 +37,15 @@ class PartitionWarning(UserWarning):
   """
 
 
+def indivisible_attempts(dim) -> str:
+  """``'rule #i: detail; ...'`` for a resolved dim that no candidate divides, else ``''``
+  (a dim some rule placed, or one with no rule, has none to report)."""
+  if dim.rule is not None:
+    return ""
+  return "; ".join(f"rule #{a.rule}: {a.detail}" for a in dim.attempts
+                   if a.outcome == INDIVISIBLE)
+
+
 def fallback_causes(where: str, res: Resolution, rule_names: Sequence[str]
                     ) -> list[tuple[tuple, str, str]]:
   """``(cause key, what happened, fix)`` per fallback in ``res`` (``where`` names the
@@ -52,9 +61,7 @@ def fallback_causes(where: str, res: Resolution, rule_names: Sequence[str]
                   "replicated",
                   f"Add a rule for {d.logical!r} (a null rule, e.g. [{d.logical!r}, null], "
                   "replicates it on purpose and silences this), or fix the name."))
-    elif d.rule is None and any(a.outcome == INDIVISIBLE for a in d.attempts):
-      tried = "; ".join(f"rule #{a.rule}: {a.detail}" for a in d.attempts
-                        if a.outcome == INDIVISIBLE)
+    elif tried := indivisible_attempts(d):
       out.append((("indivisible", d.logical, d.size, tried),
                   f"{where} dim {d.index} {d.logical!r} (size {d.size}) is replicated: no "
                   f"rule for it divides the dim ({tried})",

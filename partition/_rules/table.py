@@ -45,9 +45,9 @@ from partition._base.resources import SerialLoop, named_loops
 from partition._rules import files as _files
 from partition._rules import schema as _schema
 from partition._rules.errors import RulesError, RulesTypeError
-from partition._rules.fallbacks import PartitionWarning
+from partition._rules.fallbacks import PartitionWarning, indivisible_attempts
 from partition._rules.overrides import OVERRIDE_FIX, collect_overrides
-from partition._rules.resolve import INDIVISIBLE, Resolution, resolve
+from partition._rules.resolve import Resolution, resolve
 from partition._rules.schema import Resource, Value
 from partition._rules.scope import current_rules_mesh
 
@@ -435,12 +435,11 @@ def _warn_indivisible_axes(res: Resolution) -> None:
   """An xmap axis that has rules none of which divides its size is neither split nor looped:
   say so (the rules asked for placement; a ``null`` rule asks for none and is silent)."""
   for d in res.dims:
-    tried = [a for a in d.attempts if a.outcome == INDIVISIBLE]
-    if d.rule is None and tried:
+    if tried := indivisible_attempts(d):
       warnings.warn(format_message(
           f"xmap axis {d.logical!r} (size {d.size}) gets no resources: no rule for it "
-          "divides its size (" + "; ".join(f"rule #{a.rule}: {a.detail}" for a in tried)
-          + "), so it is vectorised on each device, neither split nor looped.",
+          f"divides its size ({tried}), so it is vectorised on each device, neither split "
+          "nor looped.",
           fix=f"Make the size a multiple of the rule's mesh axes and loop lengths, add a "
               f"fallback rule for {d.logical!r} that divides it, or a null rule to leave it "
               "unplaced on purpose."),
