@@ -261,7 +261,25 @@ def _read(path) -> dict[str, Any]:
   if not isinstance(doc, dict):
     raise TrainConfigError(f"config {path}: the top level must be a mapping of keys, got "
                            f"{type(doc).__name__}.")
-  return doc
+  return _nest_dotted_keys(doc, path)
+
+
+def _nest_dotted_keys(doc: dict[str, Any], path) -> dict[str, Any]:
+  """``model.num_layers: 3`` in a file means what it means on the command line."""
+  out: dict[str, Any] = {}
+  for key, value in doc.items():
+    head, dot, rest = key.partition(".") if isinstance(key, str) else (key, "", "")
+    entry = _nest_dotted_keys({rest: value}, path) if dot else value
+    before = out.get(head)
+    if isinstance(before, dict) and isinstance(entry, dict):
+      if clash := sorted(set(before) & set(entry), key=str):
+        raise TrainConfigError(f"config {path}: {head}.{clash[0]} is set twice (as "
+                               f"'{head}.{clash[0]}' and under '{head}:'); keep one of the two.")
+      entry = {**before, **entry}
+    elif head in out:
+      raise TrainConfigError(f"config {path}: {head!r} is set twice; keep one of the two.")
+    out[head] = entry
+  return out
 
 
 def _set_dotted(raw: dict, key: str, value: Any) -> None:

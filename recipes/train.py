@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
-from partition.internal import needs_extra  # noqa: E402
+from partition.internal import did_you_mean, needs_extra  # noqa: E402
 
 with needs_extra("recipes", by="recipes.train"):
   import optax
@@ -50,6 +50,7 @@ from recipes import data, distributed, init_from, report, rundir  # noqa: E402
 from recipes import model as model_lib  # noqa: E402
 from recipes.config import (  # noqa: E402
   BATCH_AXIS,
+  PRESETS,
   TrainConfig,
   TrainConfigError,
   example_mesh,
@@ -161,7 +162,37 @@ def make_rules(config: TrainConfig):
   rules = preset_rules(config.preset)
   if config.microbatches is not None and serial_loops(rules):
     rules = rules.without_serial_loops(BATCH_AXIS)
-  return rules.override(*config.rules) if config.rules else rules
+  if not config.rules:
+    return rules
+  _check_override_names(config, rules)
+  return rules.override(*config.rules)
+
+
+def _known_logical_names(rules) -> list[str]:
+  """The names a rules override may set: the preset's, and every built-in preset's (together
+  the layers model's logical axes)."""
+  names = dict.fromkeys(rules.names)
+  for path in sorted(PRESETS.glob("*.yaml")):
+    names.update(dict.fromkeys(preset_rules(path.stem).names))
+  return list(names)
+
+
+def _check_override_names(config: TrainConfig, rules) -> None:
+  """An override for a name the model never uses would be ignored (``rules=[mpl=tensor]``
+  trained with ``mlp`` replicated): an error with the near name instead."""
+  known = _known_logical_names(rules)
+  unknown = [(token, name) for token, one in _overrides(config) for name in one.names
+             if name not in known]
+  if unknown:
+    raise TrainConfigError("\n  * ".join([f"config: {len(unknown)} problem(s) with rules=."] + [
+        f"rules override {token!r} sets logical axis {name!r}, which the model does not "
+        f"have{did_you_mean(name, known)}: the model's axes are {known}"
+        for token, name in unknown]))
+
+
+def _overrides(config: TrainConfig) -> list[tuple[str, Any]]:
+  """``(token, its rules)`` per ``rules=`` override (a bad token raises its own error)."""
+  return [(token, partition.AxisRules([]).override(token)) for token in config.rules]
 
 
 def effective_microbatches(config: TrainConfig, rules) -> int:
@@ -180,12 +211,22 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   problems = []
   wanted = list(rules.mesh_axes)
   missing = [a for a in wanted if a not in mesh.shape]
-  if missing:
+  preset_axes = preset_rules(config.preset).mesh_axes
+  by_override = {}
+  for token, one in _overrides(config):
+    by_override.update({a: token for a in one.mesh_axes
+                        if a in missing and a not in preset_axes and a not in by_override})
+  problems += [
+      f"rules override {token!r} names mesh axis {axis!r}, which mesh={_mesh_text(mesh.shape)}"
+      f" does not have{did_you_mean(axis, [*mesh.shape, 'null'])}: fix the override, or add "
+      f"{axis!r} to the mesh" for axis, token in by_override.items()]
+  if preset_missing := [a for a in missing if a not in by_override]:
     have = "{" + ", ".join(f"{k}: {v}" for k, v in config.mesh.items()) + "}"
     problems.append(
         f"preset={config.preset} shards over the mesh axes {wanted}, but mesh={have} has no "
-        f"{', '.join(repr(a) for a in missing)}: use e.g. {example_mesh(config.preset, wanted)}"
-        f" (or add {', '.join(f'{a}: 1' for a in missing)} to the mesh to replicate on purpose)")
+        f"{', '.join(repr(a) for a in preset_missing)}: use e.g. "
+        f"{example_mesh(config.preset, wanted)} (or add "
+        f"{', '.join(f'{a}: 1' for a in preset_missing)} to the mesh to replicate on purpose)")
   shards_experts = any(name == "expert" and value for name, value in rules)
   if shards_experts and not config.model.num_experts:
     problems.append(f"preset={config.preset} shards mixture-of-experts layers over 'expert', "
@@ -193,9 +234,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
                     "model.experts_per_token=2, or use another preset")
   problems += _pipeline_problems(config, rules, mesh) if not missing else []
   if not missing:
-    spec = rules.spec(BATCH_AXES, (config.batch_size, config.seq_len), mesh)
-    entry = tuple(spec)[0] if len(spec) else None
-    axes = partition.internal.entry_mesh_axes(entry)
+    axes = _batch_mesh_axes(rules, config, mesh)
     shards = math.prod(mesh.shape[a] for a in axes)
     k = effective_microbatches(config, rules)
     if config.batch_size % (shards * k):
@@ -207,6 +246,15 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   if problems:
     raise TrainConfigError("\n  * ".join([f"config: {len(problems)} problem(s) with this "
                                            "preset, mesh and batch.", *problems]))
+
+
+def _batch_mesh_axes(rules, config: TrainConfig, mesh) -> tuple[str, ...]:
+  """The mesh axes the batch is split over: those of the rule that fires, else (when no rule
+  divides the batch, which would train replicated) those of the first rule that tried."""
+  batch = rules.resolve(BATCH_AXES, (config.batch_size, config.seq_len), mesh).dims[0]
+  value = batch.resources if batch.rule is not None or not batch.attempts else (
+      batch.attempts[0].value)
+  return tuple(r for r in value or () if isinstance(r, str) and mesh.shape.get(r, 1) > 1)
 
 
 def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:

@@ -46,6 +46,24 @@ def test_a_file_is_named_only_for_its_own_keys(tmp_path):
          in message
 
 
+def test_a_file_may_spell_keys_dotted_as_on_the_command_line(tmp_path):
+  mine = tmp_path / "mine.yaml"
+  mine.write_text("model.num_layers: 3\nsteps: 5\nmodel:\n  num_heads: 2\n"
+                  "optimizer.learning_rate: 0.5\n")
+  nested = tmp_path / "nested.yaml"
+  nested.write_text("model:\n  num_layers: 3\n  num_heads: 2\nsteps: 5\n"
+                    "optimizer:\n  learning_rate: 0.5\n")
+  assert load_config(mine) == load_config(nested)
+  twice = tmp_path / "twice.yaml"
+  twice.write_text("model:\n  num_layers: 2\nmodel.num_layers: 3\n")
+  assert _error(path=twice) == (f"config {twice}: model.num_layers is set twice (as "
+                                "'model.num_layers' and under 'model:'); keep one of the two.")
+  typo = tmp_path / "typo.yaml"
+  typo.write_text("model.num_layrs: 3\n")
+  assert f"  * {typo}: unknown key 'model.num_layrs' (did you mean 'model.num_layers'?)." \
+      in _error(path=typo)
+
+
 def test_ill_typed_overrides_and_sections_name_the_override():
   assert "steps='x': expected an integer (from command-line override 'steps=x')" \
          in _error("steps=x")

@@ -145,6 +145,21 @@ MISTAKES = {  # overrides -> what the message must say (the key and the fix)
     "indivisible batch": (["batch_size=10"], [
         "batch_size=10 does not divide into 2 device shard(s)", "x 2 micro-batch(es)",
         "use a multiple of 4, e.g. batch_size=8"]),
+    "a batch no mesh axis divides (it would train replicated)": (
+        ["mesh={data: 8, fsdp: 1, tensor: 1}", "batch_size=4"], [
+            "batch_size=4 does not divide into 8 device shard(s) (mesh axes ('data',))",
+            "use a multiple of 16, e.g. batch_size=16"]),
+    "a rules override for a name the model lacks (it would be ignored)": (
+        ["rules=[mpl=tensor]"], [
+            "rules override 'mpl=tensor' sets logical axis 'mpl', which the model does not "
+            "have (did you mean 'mlp'?)"]),
+    "a rules override naming a mesh axis the mesh lacks": (
+        ["rules=[mlp=tensr]"], [
+            "rules override 'mlp=tensr' names mesh axis 'tensr', which mesh={data: 2, fsdp: 2, "
+            "tensor: 2} does not have (did you mean 'tensor'?)"]),
+    "a rules override with a misspelt null": (
+        ["rules=[mlp=nul]"], ["rules override 'mlp=nul' names mesh axis 'nul'",
+                              "(did you mean 'null'?)"]),
     "preset without its mesh axes": (["preset=tensor_parallel", "mesh={data: 8}"], [
         "preset=tensor_parallel shards over the mesh axes ['data', 'tensor'], but mesh="
         "{data: 8} has no 'tensor'", "use e.g. mesh='{data: 4, tensor: 2}'", "tensor: 1"]),
