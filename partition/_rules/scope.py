@@ -64,8 +64,13 @@ def current_rules_mesh(mesh: AnyMesh | None = None) -> AnyMesh | None:
   """``mesh`` if given, else the ``axis_rules`` mesh, else the ``jax.set_mesh`` mesh."""
   if mesh is not None:
     return current_mesh(mesh)
-  ctx_mesh = RULES.get()[1]
+  ctx_mesh = rules_mesh()
   return ctx_mesh if ctx_mesh is not None else current_mesh()
+
+
+def rules_mesh() -> AnyMesh | None:
+  """The mesh given to the innermost ``axis_rules`` (``None`` outside one or without)."""
+  return RULES.get()[1]
 
 
 def mapped_mesh_axes() -> frozenset[str]:

@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -48,6 +49,7 @@ from partition._base.errors import (
 )
 from partition._base.resources import named_loops
 from partition._rules.context import current_rules
+from partition._rules.scope import rules_mesh
 from partition._xmap import placement as _placement
 from partition._xmap.layout import (
   MapLayout,
@@ -91,9 +93,12 @@ def xmap(fun: Callable, in_axes: Any, out_axes: Any, *,
     axis_sizes: sizes of axes (required for axes that no input carries; checked otherwise).
     axis_resources: ``{axis: resources}`` where resources are a mesh axis, a tuple of mesh
       axes, ``SerialLoop(n)``, a name bound by ``serial_loop(name, n)``, or a tuple mixing
-      them (mesh axes first); or an ``AxisRules`` table resolving the axis names.
+      them (mesh axes first); or an ``AxisRules`` table resolving the axis names. Left
+      out, the axes resolve by the ``partition.axis_rules`` table in context (as ``Logical``
+      dims do), else they are vectorised only.
     donate_argnums: positional arguments whose buffers may be reused, as in ``jax.jit``.
-    mesh: the device mesh; defaults to the one set by ``jax.set_mesh``.
+    mesh: the device mesh; defaults to the one set by ``jax.set_mesh``, else an enclosing
+      xmap's, else the one given to ``partition.axis_rules``.
 
   Returns:
     A callable with the signature of ``fun`` taking and returning positional arrays, with
@@ -151,12 +156,23 @@ class XMapped:
       raise SpecError(f"xmap({self._name}) takes positional arguments only (in_axes describes "
                       f"them by position), got keywords {sorted(kwargs)}; pass them in order.")
     jitted, targets = self._prepare(args)
-    return jitted(*_place(args, targets))
+    with self._devices_context(targets):
+      return jitted(*_place(args, targets))
 
   def lower(self, *args) -> jax.stages.Lowered:
     """Lowers for the given arguments (arrays or ``jax.ShapeDtypeStruct``s)."""
     jitted, targets = self._prepare(args)
-    return jitted.lower(*_place(args, targets))
+    with self._devices_context(targets):
+      return jitted.lower(*_place(args, targets))
+
+  def _devices_context(self, input_shardings):
+    """``jit`` learns the devices from its inputs' shardings; without array inputs, a
+    ``mesh=`` given to xmap is made the context mesh so that the program runs on it (JAX
+    otherwise compiles for one device and fails on an Explicit mesh's typed outputs)."""
+    if (input_shardings == () and isinstance(self._mesh, jax.sharding.Mesh)
+        and jax.sharding.get_abstract_mesh().empty):
+      return jax.set_mesh(self._mesh)
+    return contextlib.nullcontext()
 
   # ------------------------------------------------------------------ planning
 
@@ -168,7 +184,8 @@ class XMapped:
       raise SpecError(format_message(
           f"xmap({self._name}): the arguments are not a valid pytree: {e}",
           fix="Use dict keys of one type (e.g. all str) in the arguments.")) from e
-    mesh = _mesh.current_mesh(self._mesh) or enclosing.mesh
+    # The axis_rules mesh comes last: it is what partition.constrain would use here.
+    mesh = _mesh.current_mesh(self._mesh) or enclosing.mesh or rules_mesh()
     if isinstance(self._mesh, jax.sharding.AbstractMesh) and (
         jax.sharding.get_abstract_mesh().empty):
       raise MeshError(format_message(
@@ -183,19 +200,21 @@ class XMapped:
       _check_call(args, len(args), self._donate, self._name)
       _check_context_mesh(self._mesh, self._name)
       leaves, specs, paths, _ = flatten_specs(self._in_axes, args, "in_axes", self._name)
-      layout = self._layout(leaves, specs, paths, mesh)
+      layout = self._layout(leaves, specs, paths, mesh, rules)
       hit = self._cache[key] = self._compile(layout, treedef, leaves, specs, paths, rules)
     return hit
 
   def _rules(self):
-    """The rules that resolve ``Logical`` leaves: axis_resources if it is a table, else the
-    ``partition.axis_rules`` context (only looked up when some leaf is ``Logical``)."""
+    """The rules that resolve ``Logical`` leaves and, without ``axis_resources``, the named
+    axes: axis_resources if it is a table, else the ``partition.axis_rules`` context (looked
+    up when some leaf is ``Logical`` or no axis_resources were given)."""
     if hasattr(self._axis_resources, "xmap_resources"):
       return self._axis_resources
-    if not self._uses_logical:
+    if not self._uses_logical and self._axis_resources is not None:
       return None
     return current_rules()
-  def _layout(self, leaves, specs, paths, mesh) -> MapLayout:
+
+  def _layout(self, leaves, specs, paths, mesh, rules) -> MapLayout:
     names = self._in_names
     undefined = sorted(self._out_names - set(names))
     if undefined:
@@ -204,7 +223,10 @@ class XMapped:
           context=[f"defined axes (from in_axes and axis_sizes): {names}"],
           fix="Every out_axes name must appear in in_axes or axis_sizes."))
     sizes, source = infer_sizes(leaves, specs, paths, self._axis_sizes, names, self._name)
-    resources = normalize_resources(self._axis_resources, names, sizes, mesh, self._name)
+    # Named axes resolve by the rules in context too, as Logical dims do: a name with a rule
+    # is placed by it, as everywhere else under `partition.axis_rules`.
+    given = self._axis_resources if self._axis_resources is not None else rules
+    resources = normalize_resources(given, names, sizes, mesh, self._name)
     axes = check_divisible(resources, sizes, source, mesh, self._name)
     check_cooccurrence(specs, [f"argument{p}" for p in paths], axes, self._name)
     out_specs = self._out_specs

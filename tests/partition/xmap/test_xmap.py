@@ -340,3 +340,16 @@ def test_value_and_grad_of_mean_loss(variant, axis_type):
   want_value, want_grad = jax.value_and_grad(
       lambda w: jnp.mean(jax.vmap(loss, in_axes=(None, 0))(w, x)))(w)
   _assert_trees_close((value, grad), (want_value, want_grad))
+
+
+@types
+def test_no_array_inputs_run_on_the_mesh_given_to_xmap(axis_type):
+  """jit learns the devices from its inputs; with none, xmap's mesh= still decides them."""
+  mesh = make_mesh((4, 2), ("x", "y"), axis_type)
+  f = xmap(lambda: jax.lax.axis_index("b").astype(jnp.float32) * 2, (), ["b", ...],
+           axis_sizes={"b": 8}, axis_resources={"b": "x"}, mesh=mesh)
+  out = f()
+  np.testing.assert_array_equal(np.asarray(out), np.arange(8, dtype=np.float32) * 2)
+  assert out.sharding.mesh.shape == mesh.shape and out.sharding.spec[0] == "x"
+  assert len(out.sharding.device_set) == 8
+  assert f.lower().compile().input_shardings == ((), {})  # lowering takes the same path

@@ -149,6 +149,28 @@ def test_logical_leaves_use_the_rules_context():
     f(w_np)
 
 
+@pytest.mark.parametrize("mesh_from", ["mesh=", "axis_rules"])
+def test_named_axes_use_the_rules_context_as_logical_dims_do(mesh_from):
+  """Without axis_resources, under partition.axis_rules a named axis is placed by its rule,
+  like a Logical dim of the same xmap; the axis_rules mesh serves when no other is given."""
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
+  rules = partition.AxisRules([("batch", "data"), ("embed", "fsdp")])
+  w_np, x_np = _data()
+  f = xmap(lambda w, x: x @ w, in_axes=(Logical("embed", None), ["batch", ...]),
+           out_axes=["batch", ...], **({"mesh": mesh} if mesh_from == "mesh=" else {}))
+  with partition.axis_rules(rules, mesh):
+    got = f(w_np, x_np)
+    (w_in, x_in), _ = f.lower(w_np, x_np).compile().input_shardings
+  np.testing.assert_allclose(got, x_np @ w_np, rtol=1e-5, atol=1e-6)
+  assert _norm(got.sharding.spec) == P("data")
+  assert (_norm(w_in.spec), _norm(x_in.spec)) == (P("fsdp"), P("data"))
+  # An explicit axis_resources still decides: {} vectorises the named axis.
+  g = xmap(lambda x: x * 2, in_axes=["batch", ...], out_axes=["batch", ...],
+           axis_resources={}, mesh=mesh)
+  with partition.axis_rules(rules, mesh):
+    assert g.lower(x_np).compile().input_shardings[0][0].is_fully_replicated
+
+
 def test_positional_sharding_inside_jit_is_kept():
   """Inside an enclosing jit the inputs are tracers: xmap must not replicate them."""
   mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
