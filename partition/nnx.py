@@ -31,6 +31,7 @@ import jax
 from partition._base.extras import needs_extra
 
 with needs_extra("flax", by="partition.nnx"):
+  from flax import errors as flax_errors
   from flax import nnx
 
 from partition._base.deprecations import deprecated_getattr
@@ -48,7 +49,17 @@ Axes = tuple[str | None, ...]
 
 def _build(init_fn: Callable[..., nnx.Module], args: tuple, kwargs: dict) -> nnx.Module:
   with nnx.use_eager_sharding(False):
-    return init_fn(*args, **kwargs)
+    try:
+      return init_fn(*args, **kwargs)
+    except flax_errors.TraceContextError as e:
+      # init_fn runs under nnx.eval_shape and jax.jit: state made outside it (most often an
+      # nnx.Rngs) cannot be advanced from inside, and flax only names the trace level.
+      raise _adapt.AdapterInputError(
+          f"partition.nnx: init_fn ({_adapt.describe_value(init_fn)}) uses NNX state created "
+          "outside it "
+          f"({e.__class__.__name__}: {str(e).split(' (https')[0]}). init_fn is traced "
+          "(nnx.eval_shape, then jax.jit), so create the nnx.Rngs inside it: "
+          "lambda: Model(..., rngs=nnx.Rngs(0)).") from e
 
 
 def _check_init_fn(init_fn: Any, api: str) -> None:

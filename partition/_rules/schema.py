@@ -57,6 +57,13 @@ def _loop(item: Mapping, problems: list[str]) -> SerialLoop | None:
   return SerialLoop(item["serial_loop"])
 
 
+def _padding_problem(what: str, name: str) -> str:
+  """A name with spaces around it never matches (``'batch '`` is not ``batch``)."""
+  if name != name.strip():
+    return f"the {what} {name!r} has spaces around it: write {name.strip()!r}"
+  return ""
+
+
 def parse_value(value: Any) -> tuple[Value, list[str]]:
   """Canonical mesh_axes of one entry: ``None`` or a tuple of resources; plus problems."""
   if value is None:
@@ -72,6 +79,8 @@ def parse_value(value: Any) -> tuple[Value, list[str]]:
       if loop is not None:
         out.append(loop)
     elif isinstance(item, str) and item.strip():
+      if problem := _padding_problem("mesh axis", item):
+        problems.append(problem)
       out.append(item)
     else:
       problems.append(f"mesh axes are names (non-empty str), null or {{serial_loop: N}}; "
@@ -109,6 +118,8 @@ def parse_entries(raw: Any, label: str = "rules") -> tuple[list[tuple[str, Value
       problems.append(f"{where}: the logical name must be a non-empty str, got {short(name)}")
       continue
     canon, bad = parse_value(value)
+    if problem := _padding_problem("logical name", name):
+      bad = [problem, *bad]
     problems += [f"{where}: {b}" for b in bad]
     if not bad:
       pairs.append((name, canon))

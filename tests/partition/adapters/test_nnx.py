@@ -142,6 +142,12 @@ def test_init_sharded_argument_errors():
     partition.nnx.explain(nn.Dense(3), rules=RULES, mesh=MESH)
   with pytest.raises(TypeError, match=r"init_fn must be a function.*got int 3"):
     partition.nnx.init_sharded(3, rules=RULES, mesh=MESH)
+  rngs = nnx.Rngs(0)  # made outside the traced init_fn: flax's own error names no fix
+  with pytest.raises(TypeError, match=r"uses NNX state created outside it .*create the "
+                                      r"nnx.Rngs inside it: lambda: Model\(\.\.\., "
+                                      r"rngs=nnx.Rngs\(0\)\)") as e:
+    partition.nnx.init_sharded(lambda: nnx.Linear(2, 2, rngs=rngs), rules=RULES, mesh=MESH)
+  assert isinstance(e.value, partition.PartitionError)
 
 
 def test_path_table_for_stock_modules_and_annotate():

@@ -75,6 +75,10 @@ microbatch = { serial_loop = 4 }
     ("rules.yaml", "rules: 3\n", "must be a list of"),
     ("desc.yaml", "description: 3\nrules: []\n", "'description' must be a str"),
     ("rules.ini", "", r"(?s)Cannot tell the format.*\.yaml"),
+    ("spaces.yaml", 'rules:\n  - ["batch ", data]\n  - [mlp, " tensor"]\n',
+     r"(?s)rules\[0\] \['batch ', 'data'\]: the logical name 'batch ' has spaces around it: "
+     r"write 'batch'.*rules\[1\] .*the mesh axis ' tensor' has spaces around it: write "
+     r"'tensor'"),
 ])
 def test_file_errors_name_file_entry_and_fix(tmp_path, name, text, match):
   path = tmp_path / name
