@@ -300,30 +300,48 @@ class Sampling:
 
   def __post_init__(self):
     object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
-    problems = []
-    if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-      problems.append(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
-    if not _is_number(self.temperature) or self.temperature < 0:
-      problems.append(f"temperature={self.temperature!r} must be a number >= 0 (0 = greedy)")
-    if not _is_int(self.top_k) or self.top_k < 0:
-      problems.append(f"top_k={self.top_k!r} must be an int >= 0 (0 = no top-k cut)")
-    if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
-      problems.append(f"top_p={self.top_p!r} must be in (0, 1] (1.0 = no nucleus cut)")
-    if (_is_number(self.temperature) and self.temperature == 0
-        and ((_is_int(self.top_k) and self.top_k > 0)
-             or (_is_number(self.top_p) and 0 < self.top_p < 1))):
-      problems.append(f"top_k={self.top_k!r} / top_p={self.top_p!r} cut the distribution "
-                      "sampled from, but temperature=0 is greedy (argmax): set a "
-                      "temperature > 0 to sample, or leave top_k=0 and top_p=1.0")
-    if not _is_int(self.seed):
-      problems.append(f"seed={self.seed!r} must be an int")
-    bad = [t for t in self.stop_tokens if not _is_int(t) or t < 0]
-    if bad:
-      problems.append(f"stop_tokens has {bad}: token ids are ints >= 0")
+    problems = Sampling.problems(**{f.name: getattr(self, f.name)
+                                    for f in dataclasses.fields(self)})
     if problems:
       raise GenerateError(format_message(
-          f"Sampling: {len(problems)} invalid setting(s).", bullets=problems,
+          f"Sampling: {len(problems)} invalid setting(s).", bullets=[p for _, p in problems],
           fix="Fix the settings listed above, e.g. Sampling(temperature=0.8, top_p=0.9)."))
+
+  @staticmethod
+  def problems(max_new_tokens: Any = 32, temperature: Any = 0.0, top_k: Any = 0,
+               top_p: Any = 1.0, seed: Any = 0, stop_tokens: Sequence[Any] = ()
+               ) -> list[tuple[tuple[str, ...], str]]:
+    """``(fields, message)`` per invalid setting, the fields it is about first (so that a
+    command line can name its own flags); ``[]`` when ``Sampling(...)`` would accept them.
+
+    >>> Sampling.problems(temperature=-1.0)
+    [(('temperature',), 'temperature=-1.0 must be a finite number >= 0 (0 = greedy)')]
+    """
+    problems = []
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+      problems.append((("max_new_tokens",), f"max_new_tokens={max_new_tokens!r} must be an "
+                                            "int >= 1"))
+    if not _is_number(temperature) or not 0 <= temperature < math.inf:
+      problems.append((("temperature",), f"temperature={temperature!r} must be a finite "
+                                         "number >= 0 (0 = greedy)"))
+    if not _is_int(top_k) or top_k < 0:
+      problems.append((("top_k",), f"top_k={top_k!r} must be an int >= 0 (0 = no top-k cut)"))
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+      problems.append((("top_p",), f"top_p={top_p!r} must be in (0, 1] (1.0 = no nucleus "
+                                   "cut)"))
+    cuts = tuple(name for name, cut in (
+        ("top_k", _is_int(top_k) and top_k > 0),
+        ("top_p", _is_number(top_p) and 0 < top_p < 1)) if cut)
+    if _is_number(temperature) and temperature == 0 and cuts:
+      problems.append((cuts + ("temperature",), f"top_k={top_k!r} / top_p={top_p!r} cut the "
+                       "distribution sampled from, but temperature=0 is greedy (argmax): set "
+                       "a temperature > 0 to sample, or leave top_k=0 and top_p=1.0"))
+    if not _is_int(seed):
+      problems.append((("seed",), f"seed={seed!r} must be an int"))
+    bad = [t for t in stop_tokens if not _is_int(t) or t < 0]
+    if bad:
+      problems.append((("stop_tokens",), f"stop_tokens has {bad}: token ids are ints >= 0"))
+    return problems
 
   def check_vocab(self, vocab_size: int) -> None:
     """Raises ``GenerateError`` for a stop token the model's vocabulary does not have."""
@@ -437,10 +455,12 @@ def check_prompts(tokens: np.ndarray, lengths: np.ndarray, config: TransformerCo
   if bad:
     problems.append(f"token ids {bad[:8]} are outside the vocabulary 0..{config.vocab_size - 1}")
   if problems:
-    raise GenerateError(format_message(
-        f"{where}: bad prompts.", bullets=problems,
-        fix="Shorten the prompts (or use a model with a larger max_len) and pass ids the "
-            "model knows."))
+    fixes = (["shorten the long prompts (or use a model with a larger max_len)"]
+             if int(lengths.max()) > config.max_len else []) + (
+        [f"pass ids from 0 to {config.vocab_size - 1} (those of the model's tokenizer)"]
+        if bad else [])
+    raise GenerateError(format_message(f"{where}: bad prompts.", bullets=problems,
+                                       fix=" and ".join(fixes).capitalize() + "."))
 
 
 def _valid(tokens: np.ndarray, lengths: np.ndarray) -> np.ndarray:

@@ -136,6 +136,8 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
   import layers
   from partition.internal import atomic_write
 
+  if architecture is not None and to != "hf":
+    raise ExportError(architecture_without_hf(architecture, to))
   out = pathlib.Path(out)
   params, meta, step = restore_params(directory, step)
   canonical = {name: np.asarray(v) for name, v in layers.to_canonical(params).items()}
@@ -153,6 +155,14 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
   atomic_write(out, buffer.getvalue())
   atomic_write(config_path(out), json.dumps(doc, indent=2, sort_keys=True) + "\n")
   return doc
+
+
+def architecture_without_hf(architecture: str, to: str) -> str:
+  """The message for ``--architecture`` without ``--to hf`` (it was silently ignored)."""
+  return (f"--architecture {architecture} only applies with --to hf (it picks the Hugging "
+          f"Face model class to write); the {to} export holds the canonical names, which "
+          f"have no architecture. Add --to hf to write a transformers directory as "
+          f"{architecture}, or leave --architecture out.")
 
 
 def config_path(out: str | pathlib.Path) -> pathlib.Path:
@@ -183,7 +193,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--architecture", choices=tuple(ARCHITECTURES), default=None,
                       help="with --to hf (default: from the model: qwen2 with q/k/v biases, "
                            "qwen3 with q/k norms, mixtral with experts, else llama)")
-  return parser.parse_args(argv)
+  args = parser.parse_args(argv)
+  if args.architecture is not None and args.to != "hf":
+    parser.error(architecture_without_hf(args.architecture, args.to))
+  return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

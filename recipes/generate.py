@@ -23,9 +23,10 @@ the prefill and decode throughput separately (tokens/s, after compilation)::
   python -m recipes.generate init_from=hf/llama --prompt "The capital of France is"
   python -m recipes.generate --checkpoint runs/x --tokens "1 2 3" --temperature 0.8 --top-p 0.9
 
-Exit status 2 with a message for any mistake in the arguments (a prompt longer than the
-model's ``max_len``, a stop token outside the vocabulary, ``top_p`` outside (0, 1], a
-checkpoint whose config the model cannot express).
+Exit status 2 with a message naming the flag for any mistake in the arguments (a prompt
+longer than the model's ``max_len``, a prompt or ``--stop`` id outside the vocabulary,
+``--top-p`` outside (0, 1], a checkpoint whose config the model cannot express). A digit
+``--prompt`` of another length than the synthetic task's questions gets a note on stderr.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from partition import PartitionError  # noqa: E402
-from partition.internal import needs_extra  # noqa: E402
+from partition.internal import format_message, needs_extra  # noqa: E402
 from recipes import report  # noqa: E402
 
 
@@ -186,11 +187,15 @@ class Codec:
   answer_length: int | None = None
   eos: tuple[int, ...] = ()
   why: str = ""
+  task: str | None = None        # a synthetic task's name: its questions have answer_length
+                                 # digits (recipes.data.SyntheticTask)
+  seq_len: int | None = None
 
   @classmethod
   def for_run(cls, config) -> Codec:
     if config.data.path is None:
-      return cls("digits", digits=config.data.digits, answer_length=config.seq_len // 2)
+      return cls("digits", digits=config.data.digits, answer_length=config.seq_len // 2,
+                 task=config.data.task, seq_len=config.seq_len)
     if not str(config.data.path).endswith(".npy"):
       return cls("bytes")
     return cls("ids", why=f"the run trained on token ids ({config.data.path})")
@@ -226,6 +231,19 @@ class Codec:
       return [int(c) + FIRST_DIGIT for c in chars] + [SEP]
     raise GenerateArgumentError(f"--prompt needs a tokenizer, but {self.why}: pass token "
                                 "ids with --tokens '1 2 3'")
+
+  def length_note(self, text: str) -> str | None:
+    """A note for a digit prompt whose length is not the task's: the model saw questions of
+    ``seq_len // 2`` digits only, and continues any other length with an answer of no
+    meaning (no error: the model can be run on it)."""
+    n, got = self.answer_length, len(text.replace(" ", ""))
+    if self.kind != "digits" or n is None or got == n:
+      return None
+    example = "".join(str(int(c) % self.digits) for c in "31415926535897932384" * n)[:n]
+    return (f"note: --prompt {text!r} has {got} digit(s), but this run's {self.task} task "
+            f"was trained on questions of {n} digits (seq_len={self.seq_len}): the model "
+            f"has seen no other length, so expect a wrong answer. Pass {n} digits (e.g. "
+            f"--prompt {example}).")
 
   def decode(self, ids: Sequence[int]) -> str | None:
     from recipes.data import FIRST_DIGIT, SEP
@@ -324,10 +342,92 @@ def prompts_of(args: argparse.Namespace, codec: Codec) -> list[list[int]]:
   return prompts
 
 
+def prompt_problems(args: argparse.Namespace, prompts: Sequence[Sequence[int]], model,
+                    *, checkpoint: bool) -> list[str]:
+  """What the model cannot read in the prompts (``prompts[i]`` encodes the ``i``-th of
+  ``--prompt ... --tokens ...``), in the flags' words, each with its fix. ``layers``
+  checks the same, in its own words."""
+  typed = [f"--prompt {_short(t)!r}" for t in args.prompt] + [
+      f"--tokens {_short(t)!r}" for t in args.tokens]
+  vocab = model.vocab_size
+  problems = [f"{typed[i]} encodes to no tokens: give at least one character"
+              for i, p in enumerate(prompts) if not p]
+  long = [i for i, p in enumerate(prompts) if len(p) > model.max_len]
+  if long:
+    fix = ("shorten them, or pass model.max_len=N to lift it (the checkpoint's weights do "
+           "not depend on it, but its model is trained only for the lengths it saw)"
+           if checkpoint else "shorten them (the checkpoint's config.json sets max_len; "
+           "model.max_len may only lower it)")
+    problems.append(f"prompt(s) {long} have {max(len(prompts[i]) for i in long)} tokens > "
+                    f"the model's max_len={model.max_len} ({', '.join(typed[i] for i in long)}"
+                    f"): {fix}")
+  for i, p in enumerate(prompts):
+    bad = sorted({t for t in p if not 0 <= t < vocab})
+    if not bad:
+      continue
+    ids = ", ".join(map(str, bad[:8])) + (", ..." if len(bad) > 8 else "")
+    head = (f"{typed[i]}: id{'s' if len(bad) > 1 else ''} {ids} "
+            f"{'are' if len(bad) > 1 else 'is'} out of range for the model's "
+            f"vocab_size={vocab} (ids 0..{vocab - 1})")
+    if i >= len(args.prompt):
+      problems.append(f"{head}: pass ids from 0 to {vocab - 1}, those of the tokenizer the "
+                      "model was trained with")
+    else:
+      problems.append(f"{head}: this text encodes to ids the model has no embedding for; "
+                      "use text within its vocabulary (a byte-level run with vocab_size < 256 "
+                      "reads ASCII only), the tokenizer that belongs to this checkpoint, or "
+                      "--tokens")
+  return problems
+
+
+def _short(text: str, width: int = 24) -> str:
+  return text if len(text) <= width else text[:width - 4].rstrip() + " ..."
+
+
+SAMPLING_FLAGS = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature",
+                  "top_k": "--top-k", "top_p": "--top-p", "seed": "--seed",
+                  "stop_tokens": "--stop"}
+
+
+def sampling_problems(args: argparse.Namespace, stops: Sequence[int]) -> list[str]:
+  """What ``layers.Sampling`` would refuse in the flags, each led by the flags as typed
+  (its own message names the fields and says ``Sampling(temperature=...)``)."""
+  import layers
+  given = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+           "top_k": args.top_k, "top_p": args.top_p, "seed": args.seed}
+  given = {k: v for k, v in given.items() if v is not None}
+  out = []
+  for fields, message in layers.Sampling.problems(**given, stop_tokens=stops):
+    typed = [f"{SAMPLING_FLAGS[f]} {getattr(args, 'stop' if f == 'stop_tokens' else f)}"
+             if f != "stop_tokens" else f"--stop {' '.join(map(str, stops))}"
+             for f in fields if f in given or (f == "stop_tokens" and args.stop)]
+    out.append(f"{', '.join(typed) or 'the checkpoint'}: {message}")
+  return out
+
+
+def check_flags(problems: Sequence[str], what: str, fix: str) -> None:
+  """Raises ``GenerateArgumentError`` listing ``problems`` (if any)."""
+  if problems:
+    raise GenerateArgumentError(format_message(
+        f"python -m recipes.generate: {len(problems)} {what}.", bullets=problems, fix=fix))
+
+
+def check_stops(args: argparse.Namespace, stops: Sequence[int], vocab_size: int) -> None:
+  """``--stop`` ids the model cannot emit (``layers`` says ``stop_tokens``)."""
+  bad = [t for t in stops if t >= vocab_size]
+  if args.stop is not None and bad:
+    raise GenerateArgumentError(
+        f"--stop {' '.join(map(str, bad))}: stop token(s) {bad} are not in the model's "
+        f"vocabulary (vocab_size={vocab_size}, ids 0..{vocab_size - 1}). Pass --stop ids "
+        "below that, or leave --stop out (default: the checkpoint's eos_token_id, if any).")
+
+
 def sampling_of(args: argparse.Namespace, codec: Codec):
   import layers
   stops = codec.eos if args.stop is None else tuple(
       i for s in args.stop for i in parse_ids(s))
+  check_flags(sampling_problems(args, stops), "problem(s) with the sampling flags",
+              "Fix the flags listed above, e.g. --temperature 0.8 --top-p 0.9.")
   n = args.max_new_tokens if args.max_new_tokens is not None else codec.answer_length or 32
   return layers.Sampling(max_new_tokens=n, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p, seed=args.seed, stop_tokens=stops)
@@ -353,6 +453,14 @@ def generate(args: argparse.Namespace, out=None) -> Any:
                                 "init_from=DIR (a Hugging Face checkpoint directory)")
   prompts = prompts_of(args, source.codec)
   sampling = sampling_of(args, source.codec)
+  check_stops(args, sampling.stop_tokens, source.config.model.vocab_size)
+  check_flags(prompt_problems(args, prompts, source.config.model,
+                              checkpoint=source.checkpoint is not None),
+              "problem(s) with the prompts", "Fix the prompts listed above (as each one says).")
+  for text in args.prompt:
+    note = source.codec.length_note(text)
+    if note:
+      print(note, file=sys.stderr)
   setup_devices(source.config)
 
   from layers import _decode

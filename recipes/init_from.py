@@ -32,7 +32,6 @@ import jax
 
 import layers
 from partition import PartitionError
-from partition.internal import format_message
 
 # How the model runs, not what it computes: the run's config decides these.
 # How the run computes, not what the checkpoint is: the attention kernel and its block, the
@@ -91,13 +90,21 @@ def resolve_model(path: str | pathlib.Path, run_model: layers.TransformerConfig,
     elif ours != theirs:
       problems.append(f"model.{field}={ours!r}, but the checkpoint has {field}={theirs!r}")
   if problems:
-    raise InitFromError(format_message(
-        f"init_from={str(path)!r}: {len(problems)} model override(s) contradict the "
-        "checkpoint's config.json.", bullets=problems,
-        fix="Drop these model.* overrides: the architecture comes from the checkpoint "
-            f"(only {', '.join(RUN_FIELDS)} and a smaller max_len may be set)."))
+    raise InitFromError(_conflicts_message(path, problems))
   return dataclasses.replace(ckpt, max_len=max_len,
                              **{f: getattr(run_model, f) for f in RUN_FIELDS})
+
+
+def _conflicts_message(path: str | pathlib.Path, problems: Sequence[str]) -> str:
+  """One line per conflicting override, indented under the headline: ``load_config`` shows
+  this message as one bullet of its own list (``config: 1 problem(s).``), and bullets at
+  that list's depth read as more problems than it counts."""
+  return "\n".join([
+      f"init_from={str(path)!r}: {len(problems)} model override(s) contradict the "
+      "checkpoint's config.json:",
+      *(f"    - {p}" for p in problems),
+      "    Drop these model.* overrides: the architecture comes from the checkpoint "
+      f"(only {', '.join(RUN_FIELDS)} and a smaller max_len may be set)."])
 
 
 def build_model(path: str | pathlib.Path, config: Any, *, rules: Any,

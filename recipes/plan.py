@@ -101,7 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--compile", type=int, default=4, metavar="K", dest="compile_top",
                       help="compile the best K plans that fit the screen (default 4; 0: "
                            f"analytic only; never above {MAX_COMPILE_DEVICES} devices)")
-  parser.add_argument("--top", type=int, default=15, metavar="K", help="rows to show")
+  parser.add_argument("--top", type=_positive_rows, default=15, metavar="K",
+                      help="rows to show (and plans in --json), 1 or more (default 15)")
   parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
   parser.add_argument("--out", default=DEFAULT_OUT,
                       help=f"where to write the best plan's config (default {DEFAULT_OUT}); "
@@ -127,6 +128,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   if args.compile_worker is None and (args.devices is None or args.chip is None):
     parser.error("--devices N and --chip NAME are required, e.g. --devices 8 --chip v5e")
   return args
+
+
+def _positive_rows(value: str) -> int:
+  """``--top K``: K >= 1 (0 printed an empty table and exited 0, a negative K dropped rows
+  from the end)."""
+  try:
+    rows = int(value)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{value!r} is not a number of rows: use --top 1 or "
+                                     "more (default 15)") from None
+  if rows < 1:
+    raise argparse.ArgumentTypeError(f"{rows} shows no plans: use --top 1 or more (default "
+                                     "15)")
+  return rows
 
 
 def _attention_override(overrides: list[str], flag: str | None) -> tuple[list[str], str | None]:

@@ -243,7 +243,9 @@ def test_rows_stop_at_max_len():
 @pytest.mark.parametrize("kwargs, match", [
     (dict(top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p=1.5 must be in \(0, 1\]"),
-    (dict(temperature=-1), "temperature=-1 must be a number >= 0"),
+    (dict(temperature=-1), "temperature=-1 must be a finite number >= 0"),
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number >= 0"),
+    (dict(temperature=float("inf")), "temperature=inf must be a finite number >= 0"),
     (dict(top_k=-2), "top_k=-2 must be an int >= 0"),
     (dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
 ])
@@ -261,8 +263,10 @@ def test_bad_prompts_and_stop_tokens_are_named():
   with pytest.raises(layers.GenerateError, match=r"stop token\(s\) \[99\] are not in the "
                                                  r"model's vocabulary \(vocab_size=40"):
     _decode.generate(params, cfg, [[1]], layers.Sampling(stop_tokens=[99]))
-  with pytest.raises(layers.GenerateError, match=r"token ids \[45\] are outside"):
+  with pytest.raises(layers.GenerateError, match=r"token ids \[45\] are outside") as e:
     _decode.generate(params, cfg, [[45]])
+  assert str(e.value).endswith("Pass ids from 0 to 39 (those of the model's tokenizer).")
+  assert "horten" not in str(e.value)  # nothing was too long
   with pytest.raises(layers.GenerateError, match=r"prompt\(s\) \[0\] empty"):
     _decode.generate(params, cfg, [[]])
 

@@ -159,6 +159,25 @@ def linen_run(tmp_path_factory):
   return out
 
 
+def test_digit_prompt_of_another_length_gets_a_note(linen_run, capsys):
+  """It answered with no word; the model has only seen 8-digit questions."""
+  rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--prompt", "314"])
+  assert rc == 0, err
+  assert ("note: --prompt '314' has 3 digit(s), but this run's reverse task was trained on "
+          "questions of 8 digits (seq_len=16): the model has seen no other length, so expect "
+          "a wrong answer. Pass 8 digits (e.g. --prompt 31415926).") in err
+  rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--prompt", "3141 5926"])
+  assert rc == 0 and "note:" not in err, err
+
+
+def test_out_of_vocab_ids_in_a_run_checkpoint_name_the_flag(linen_run, capsys):
+  vocab = load_config(train.default_config_path(), TINY).model.vocab_size
+  rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--tokens", f"4 {vocab}"])
+  assert rc == 2
+  assert (f"--tokens '4 {vocab}': id {vocab} is out of range for the model's "
+          f"vocab_size={vocab} (ids 0..{vocab - 1})") in err
+
+
 @pytest.mark.parametrize("override, match", [
     ("framework=nnx", r"framework=nnx here, linen in the checkpoint"),
     ("model.num_layers=3", r"model.num_layers=3 here, 1 in the checkpoint"),
