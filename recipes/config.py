@@ -414,9 +414,16 @@ def _convert(value: Any, hint: Any) -> tuple[Any, str | None]:
   if origin is dict:
     ok = isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, int)
                                          and not isinstance(v, bool) for k, v in value.items())
-    return (dict(value), None) if ok else (None, "expected a mapping {mesh axis: size}, "
-                                                 "e.g. {data: 2, fsdp: 2, tensor: 2}, or "
-                                                 "auto")
+    if ok:
+      return dict(value), None
+    # YAML reads {data:8} as the key 'data:8' with no value: a flow mapping needs a space
+    # after each colon
+    glued = [k for k, v in value.items() if v is None and ":" in str(k)] if isinstance(
+        value, dict) else []
+    hint = (f" (YAML reads {glued[0]!r} as one key: put a space after the colon, "
+            f"{{{str(glued[0]).replace(':', ': ', 1)}}})" if glued else "")
+    return None, ("expected a mapping {mesh axis: size}, e.g. {data: 2, fsdp: 2, tensor: 2}, "
+                  f"or auto{hint}")
   return value, None
 
 
@@ -432,6 +439,9 @@ def _semantic_problems(c: TrainConfig) -> list[str]:
                "eval_batches"):
     if getattr(c, name) is not None and getattr(c, name) < 1:
       problems.append(f"{name}={getattr(c, name)} must be >= 1")
+  if c.optimizer.warmup_steps < 0:
+    problems.append(f"optimizer.warmup_steps={c.optimizer.warmup_steps} must be >= 0 "
+                    "(0: no warmup)")
   if c.checkpoint_every < 0:
     problems.append(f"checkpoint_every={c.checkpoint_every} must be >= 0 (0: only at the end)")
   sizes = [v for v in c.mesh.values()]

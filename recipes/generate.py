@@ -134,18 +134,10 @@ def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
   return Source(config, directory, step, meta, Codec.for_run(config))
 
 
-def checkpoint_free_fields() -> tuple[str, ...]:
-  """Model fields a checkpoint's weights do not depend on: how the run computes
-  (``recipes.init_from.RUN_FIELDS``, less the two that change the restored tree, the stored
-  dtype and the layers' stacking) and how long a sequence it is asked for (RoPE keeps no
-  table in the weights)."""
-  from recipes.init_from import RUN_FIELDS
-  return tuple(f for f in RUN_FIELDS if f not in ("param_dtype", "scan_layers")) + ("max_len",)
-
-
 def _check_checkpoint_overrides(path: str, recorded: dict[str, Any], config) -> None:
   """Overrides that change what the checkpoint's weights are (the framework, a dimension,
   the layer layout) cannot be generated with: the restore would fail deep inside."""
+  from recipes.init_from import checkpoint_free_fields
   from recipes.rundir import model_changes
   free = checkpoint_free_fields()
   problems = []

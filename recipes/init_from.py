@@ -42,6 +42,14 @@ RUN_FIELDS = ("dtype", "param_dtype", "scan_layers", "remat", "pipeline_microbat
               "capacity_factor")
 
 
+def checkpoint_free_fields() -> tuple[str, ...]:
+  """Model fields a checkpoint's weights do not depend on: how the run computes
+  (:data:`RUN_FIELDS`, less the two that change the restored tree, the stored dtype and the
+  layers' stacking) and how long a sequence it is asked for (RoPE keeps no table in the
+  weights). What ``recipes.generate --checkpoint`` and ``resume=true`` let a run change."""
+  return tuple(f for f in RUN_FIELDS if f not in ("param_dtype", "scan_layers")) + ("max_len",)
+
+
 class InitFromError(PartitionError, ValueError):
   """``init_from`` conflicts with the run's model settings."""
 

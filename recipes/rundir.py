@@ -8,8 +8,10 @@ continue a checkpoint of the same model, and a signal ends a run with a checkpoi
   ``runs/default-2``, ... (``recipes.config.load_config``) and says so.
 * ``resume=true`` restores the last checkpoint after checking that it was written for the
   same model (framework, ``model.*``, and the state's arrays by path and shape); preset, mesh
-  and micro-batches may differ (the state is resharded on restore). It says ``resumed from
-  step N of DIR`` and drops the metrics the old run logged after step N.
+  and micro-batches may differ (the state is resharded on restore), and so may the ``model.*``
+  fields that change how the step is computed but not the weights (:func:`runtime_fields`:
+  ``model.attention``, ``model.remat``, ...). It says ``resumed from step N of DIR`` (with
+  what changed) and drops the metrics the old run logged after step N.
 * SIGTERM / SIGINT (:class:`StopSignals`) ask the loop to stop after the current step; in a
   multi-process run all processes agree on that step (an all-gather of every process's flag
   after each step, ``jax.experimental.multihost_utils.process_allgather``), since a scheduler
@@ -101,11 +103,27 @@ def model_changes(config, saved_config: dict[str, Any], free: Sequence[str] = ()
   return changes
 
 
+def runtime_fields() -> tuple[str, ...]:
+  """The ``model.`` fields a resumed run may change: those the checkpoint's weights and their
+  shapes do not depend on (how the step is computed: the attention kernel, rematerialisation,
+  the compute dtype, ...). The list ``recipes.generate`` accepts for a checkpoint, so
+  generating from a run and continuing it agree on what "the same model" means."""
+  from recipes.init_from import checkpoint_free_fields
+  return checkpoint_free_fields()
+
+
+def runtime_changes(config, saved_config: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+  """``(key, saved, now)`` for each :func:`runtime_fields` field that ``config`` changes."""
+  free = runtime_fields()
+  return [change for change in model_changes(config, saved_config)
+          if change[0].removeprefix("model.") in free]
+
+
 def mismatches(config, saved_config: dict[str, Any], saved_shapes: dict, shapes: dict
                ) -> list[str]:
   """Why a checkpoint cannot continue as ``config`` (``[]``: it can)."""
   problems = [f"{key}={saved} there, {now} here"
-              for key, saved, now in model_changes(config, saved_config)]
+              for key, saved, now in model_changes(config, saved_config, runtime_fields())]
   if not problems and saved_shapes != shapes:
     differ = sorted(set(saved_shapes) ^ set(shapes)) or sorted(
         p for p in shapes if saved_shapes.get(p) != shapes[p])
@@ -135,13 +153,20 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
     raise TrainConfigError(
         f"resume=true: the checkpoint at step {step} of {ckpt.directory} is of another "
         "model:\n  * " + "\n  * ".join(problems) + "\nUse that run's framework and model.* "
-        "(preset, mesh and microbatches may change: the state is resharded), or start a new "
-        f"run with resume=false out_dir={free_name(pathlib.Path(config.out_dir))}.")
+        "(preset, mesh and microbatches may change: the state is resharded; so may "
+        f"{', '.join('model.' + f for f in runtime_fields())}: they change how the step is "
+        "computed, not the weights), or start a new run with resume=false "
+        f"out_dir={free_name(pathlib.Path(config.out_dir))}.")
   run.state = ckpt.restore_like(step, run.state)
   metrics_log.truncate_after(step)
   changed = [f"{k} {saved_config[k]} -> {getattr(config, k)}"
              for k in ("preset", "mesh", "microbatches")
              if k in saved_config and saved_config[k] != getattr(config, k)]
+  runtime = [f"{key} {saved} -> {now}" for key, saved, now in runtime_changes(config,
+                                                                                saved_config)]
+  changes = [f"resharded: {', '.join(changed)}"] if changed else []
+  if runtime:  # the restored weights are the checkpoint's; only the step's program differs
+    changes.append(f"same weights, computed differently: {', '.join(runtime)}")
   done = ""
   if step > config.steps:
     done = (f"; it is already past steps={config.steps}, so nothing is trained (steps="
@@ -149,7 +174,7 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
   elif step == config.steps:
     done = f"; the run is complete (steps={config.steps})"
   say(f"resumed from step {step} of {ckpt.directory}"
-      + (f" (resharded: {', '.join(changed)})" if changed else "") + done)
+      + (f" ({'; '.join(changes)})" if changes else "") + done)
   if note := schedule_note(saved_config.get("steps"), config.steps, step, run, metrics_log):
     say(note)
   return step

@@ -24,6 +24,7 @@ import math
 import os
 import pathlib
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -283,14 +284,48 @@ def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
   return problems
 
 
+def warmup_length(config: TrainConfig) -> int:
+  """The steps the learning rate warms up over: ``optimizer.warmup_steps``, shortened to
+  ``steps`` for a run no longer than that (:func:`short_warmup_warning` says so)."""
+  return min(config.optimizer.warmup_steps, config.steps)
+
+
 def make_optimizer(config: TrainConfig):
+  """AdamW (after global-norm clipping) and its learning-rate schedule: the rate at step
+  ``i`` (0-based) rises linearly from 0 to ``optimizer.learning_rate`` over
+  :func:`warmup_length` steps, then follows a cosine down to ``optimizer.min_lr_ratio`` x
+  that at ``i = steps``."""
   o = config.optimizer
+  warmup = warmup_length(config)
+  # optax wants a decay phase after the warmup; a run that warms up to its end never reaches
+  # it, so its length there does not matter.
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, o.learning_rate, warmup_steps=min(o.warmup_steps, config.steps),
-      decay_steps=max(config.steps, o.warmup_steps + 1), end_value=o.learning_rate * o.min_lr_ratio)
+      0.0, o.learning_rate, warmup_steps=warmup, decay_steps=max(config.steps, warmup + 1),
+      end_value=o.learning_rate * o.min_lr_ratio)
   parts = [optax.clip_by_global_norm(o.clip_norm)] if o.clip_norm > 0 else []
   parts.append(optax.adamw(schedule, b1=o.b1, b2=o.b2, weight_decay=o.weight_decay))
   return optax.chain(*parts), schedule
+
+
+def short_warmup_warning(config: TrainConfig) -> str | None:
+  """For a run of ``steps <= optimizer.warmup_steps``: the warmup takes the whole run, so the
+  rate never reaches ``optimizer.learning_rate`` nor decays; what it does instead and how to
+  get a warmup and a decay. ``None`` for a run longer than its warmup."""
+  o, steps = config.optimizer, config.steps
+  if steps > o.warmup_steps:
+    return None
+  how = "is shortened to" if steps < o.warmup_steps else "takes"
+  if steps == 1:
+    rates = "its one step has learning rate 0 (where the warmup starts), so no weight changes"
+  else:
+    rates = (f"the learning rate rises linearly from 0 to "
+             f"{o.learning_rate * (steps - 1) / steps:.3g} ({steps - 1}/{steps} of "
+             f"optimizer.learning_rate={o.learning_rate:g}) at the last step and never decays")
+  return (f"optimizer.warmup_steps={o.warmup_steps} is not shorter than steps={steps}, so the "
+          f"warmup {how} the run's {steps} step(s): {rates}. For a warmup and then the "
+          f"cosine decay, set optimizer.warmup_steps below {steps} (e.g. "
+          f"optimizer.warmup_steps={steps // 10}) or steps above {o.warmup_steps} "
+          "(docs/training.md#the-learning-rate-schedule).")
 
 
 BATCH_AXES = ("batch", "length")
@@ -434,9 +469,11 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
 
   A new run (``resume=false``) refuses an ``out_dir`` that holds another run; ``resume=true``
   continues the run there from its last checkpoint (the model must match; preset, mesh and
-  micro-batches may change: the state is resharded). SIGTERM / SIGINT end the run after the
-  current step with a checkpoint, and a loss that is not finite ends it keeping the last good
-  one: both raise :class:`Stopped`.
+  micro-batches may change: the state is resharded; so may ``rundir.runtime_fields``, such as
+  ``model.attention`` and ``model.remat``). A run of ``steps <= optimizer.warmup_steps``
+  warns that its warmup is shortened (:func:`short_warmup_warning`). SIGTERM / SIGINT end
+  the run after the current step with a checkpoint, and a loss that is not finite ends it
+  keeping the last good one: both raise :class:`Stopped`.
 
   Args:
     config: the run.
@@ -465,6 +502,11 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
   start = 0
   if config.resume:
     start = rundir.resume(config, run, ckpt, metrics_log, say)
+  if primary and start < config.steps and (warning := short_warmup_warning(config)):
+    # A Python warning, not a log line: like the library's PartitionWarnings, a caller can
+    # filter it (a smoke test of a few steps warns on purpose), and the log stays the
+    # devices line and the progress lines.
+    warnings.warn(warning, UserWarning, stacklevel=2)
   extra = {"config": config.to_dict(), "rules": run.rules.to_dict()}
   tokens_per_step = config.batch_size * config.seq_len
   timer = report.Throughput(tokens_per_step)

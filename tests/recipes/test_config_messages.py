@@ -64,6 +64,13 @@ def test_a_file_may_spell_keys_dotted_as_on_the_command_line(tmp_path):
       in _error(path=typo)
 
 
+def test_a_mesh_without_spaces_after_the_colons_says_so():
+  # YAML reads {data:8} as one key 'data:8' without a value
+  message = _error("mesh={data:8, fsdp: 1}")
+  assert ("expected a mapping {mesh axis: size}, e.g. {data: 2, fsdp: 2, tensor: 2}, or auto "
+          "(YAML reads 'data:8' as one key: put a space after the colon, {data: 8})") in message
+
+
 def test_ill_typed_overrides_and_sections_name_the_override():
   assert "steps='x': expected an integer (from command-line override 'steps=x')" \
          in _error("steps=x")
