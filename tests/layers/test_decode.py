@@ -336,8 +336,9 @@ def test_greedy_equals_transformers_generate(name, tmp_path):
 GOLDENS = pathlib.Path(__file__).parent / "data" / "hf"
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in GOLDENS.iterdir()
-                                        if (p / "golden.npz").is_file()))
+@pytest.mark.parametrize("name", [  # llama in the everyday loop, the other families in full
+    name if name == "llama" else pytest.param(name, marks=pytest.mark.slow)
+    for name in sorted(p.name for p in GOLDENS.iterdir() if (p / "golden.npz").is_file())])
 def test_greedy_and_scores_equal_transformers_goldens(name):
   """``transformers``' greedy ``generate`` (KV cache, no stop) of each golden checkpoint
   (Llama 3.1-style and linear RoPE scaling, Qwen3's q/k norm and Mixtral included):
