@@ -36,11 +36,11 @@ from layers import _core, _loss, _moe
 from layers._attention import Mask, array_problems
 from layers._config import ConfigError, TransformerConfig
 from layers._params import (
-  COMPUTE_DTYPE_PARAMS,
   LayerArgumentError,
   block_params,
   check_mesh,
   check_tokens,
+  gathered_in_compute_dtype,
   spec_axes,
 )
 from partition.internal import format_message
@@ -93,11 +93,12 @@ def _block_axes(config: TransformerConfig) -> dict[str, Any]:
 
 @functools.cache
 def _block_dtypes(config: TransformerConfig) -> dict[str, Any]:
-  """The dtype the block computes with each of its params: ``config.dtype`` for the
-  projections' kernels and biases and the experts' weights, ``None`` (as stored) for the
-  norm scales and the router, which it reads in fp32."""
+  """The dtype the block computes with each of its params: ``config.dtype`` for those
+  :func:`layers.gathered_in_compute_dtype` names (the rule the planner prices too), ``None``
+  (as stored) for the norm scales and the router, which it reads in fp32."""
   def dtype(path, _):
-    return config.dtype if path[-1].key in COMPUTE_DTYPE_PARAMS else None
+    name = "/".join(str(k.key) for k in path)
+    return config.dtype if gathered_in_compute_dtype(name, tied=False) else None
   return jax.tree_util.tree_map_with_path(dtype, _block_axes(config),
                                           is_leaf=lambda a: isinstance(a, tuple))
 
