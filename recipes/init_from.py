@@ -104,14 +104,11 @@ def resolve_model(path: str | pathlib.Path, run_model: layers.TransformerConfig,
 
 
 def _conflicts_message(path: str | pathlib.Path, problems: Sequence[str]) -> str:
-  """One line per conflicting override, indented under the headline: ``load_config`` shows
-  this message as one bullet of its own list (``config: 1 problem(s).``), and bullets at
-  that list's depth read as more problems than it counts."""
   return "\n".join([
       f"init_from={str(path)!r}: {len(problems)} model override(s) contradict the "
       "checkpoint's config.json:",
-      *(f"    - {p}" for p in problems),
-      "    Drop these model.* overrides: the architecture comes from the checkpoint "
+      *(f"  - {p}" for p in problems),
+      "  Drop these model.* overrides: the architecture comes from the checkpoint "
       f"(only {', '.join(RUN_FIELDS)} and a smaller max_len may be set)."])
 
 

@@ -26,6 +26,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from partition.internal import format_message
 from recipes.config import TrainConfigError
 
 RUN_FILES = ("metrics.jsonl", "summary.json")
@@ -150,13 +151,14 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
   saved_shapes = _state_shapes(ckpt.manager.item_metadata(step)["state"].tree)
   problems = mismatches(config, saved_config, saved_shapes, _state_shapes(run.state))
   if problems:
-    raise TrainConfigError(
+    raise TrainConfigError(format_message(
         f"resume=true: the checkpoint at step {step} of {ckpt.directory} is of another "
-        "model:\n  * " + "\n  * ".join(problems) + "\nUse that run's framework and model.* "
-        "(preset, mesh and microbatches may change: the state is resharded; so may "
+        "model:", bullets=problems,
+        fix="Use that run's framework and model.* (preset, mesh and microbatches may change: "
+        "the state is resharded; so may "
         f"{', '.join('model.' + f for f in runtime_fields())}: they change how the step is "
         "computed, not the weights), or start a new run with resume=false "
-        f"out_dir={free_name(pathlib.Path(config.out_dir))}.")
+        f"out_dir={free_name(pathlib.Path(config.out_dir))}."))
   run.state = ckpt.restore_like(step, run.state)
   metrics_log.truncate_after(step)
   changed = [f"{k} {saved_config[k]} -> {getattr(config, k)}"

@@ -39,7 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec  # noqa: E402
 
-from partition.internal import did_you_mean, needs_extra  # noqa: E402
+from partition.internal import did_you_mean, format_message, needs_extra  # noqa: E402
 
 with needs_extra("recipes", by="recipes.train"):
   import optax
@@ -185,10 +185,11 @@ def _check_override_names(config: TrainConfig, rules) -> None:
   unknown = [(token, name) for token, one in _overrides(config) for name in one.names
              if name not in known]
   if unknown:
-    raise TrainConfigError("\n  * ".join([f"config: {len(unknown)} problem(s) with rules=."] + [
-        f"rules override {token!r} sets logical axis {name!r}, which the model does not "
-        f"have{did_you_mean(name, known)}: the model's axes are {known}"
-        for token, name in unknown]))
+    raise TrainConfigError(format_message(
+        f"config: {len(unknown)} problem(s) with rules=.", bullets=[
+            f"rules override {token!r} sets logical axis {name!r}, which the model does not "
+            f"have{did_you_mean(name, known)}: the model's axes are {known}"
+            for token, name in unknown]))
 
 
 def _overrides(config: TrainConfig) -> list[tuple[str, Any]]:
@@ -245,8 +246,9 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
           f"(mesh axes {axes or '()'}) x {k} micro-batch(es): use a multiple of {multiple}, "
           f"e.g. batch_size={max(multiple, config.batch_size // multiple * multiple)}")
   if problems:
-    raise TrainConfigError("\n  * ".join([f"config: {len(problems)} problem(s) with this "
-                                           "preset, mesh and batch.", *problems]))
+    raise TrainConfigError(format_message(
+        f"config: {len(problems)} problem(s) with this preset, mesh and batch.",
+        bullets=problems))
 
 
 def _batch_mesh_axes(rules, config: TrainConfig, mesh) -> tuple[str, ...]:

@@ -103,10 +103,24 @@ def format_message(
     bullets: Iterable[str] = (),
     fix: str | None = None,
 ) -> str:
-  """Builds an error message: headline, context lines, one bullet per problem, a fix."""
+  """Builds an error message: headline, context lines, one bullet per problem, a fix.
+
+  A multi-line context line or bullet (another error's message, a nested list) keeps its
+  continuation lines under its own text, so nested lines never read as more bullets:
+
+  >>> print(format_message("config: 1 problem(s).", bullets=["a: two things:\\n- x\\n- y"]))
+  config: 1 problem(s).
+    * a: two things:
+      - x
+      - y
+  """
   lines = [headline]
-  lines += [f"  {c}" for c in context]
-  lines += [f"  * {b}" for b in bullets]
+  lines += [_indented("  ", c) for c in context]
+  lines += [_indented("  * ", b) for b in bullets]
   if fix:
     lines.append(fix)
   return "\n".join(lines)
+
+
+def _indented(lead: str, text: str) -> str:
+  return lead + str(text).replace("\n", "\n" + " " * len(lead))

@@ -83,10 +83,10 @@ def test_init_from_conflicts_nest_under_the_one_problem_counted(capsys):
   assert [x for x in lines if x.startswith("  * ")] == [
       f"  * init_from: init_from={str(HF_LLAMA)!r}: 2 model override(s) contradict the "
       "checkpoint's config.json:"]
-  assert [x for x in lines if x.startswith("    - ")] == [
-      "    - model.max_len=999, but the checkpoint has max_len=64",
-      "    - model.num_layers=3, but the checkpoint has num_layers=2"]
-  assert "    Drop these model.* overrides" in err
+  assert [x for x in lines if x.lstrip().startswith("- ")] == [
+      "      - model.max_len=999, but the checkpoint has max_len=64",
+      "      - model.num_layers=3, but the checkpoint has num_layers=2"]
+  assert "\n      Drop these model.* overrides" in err
 
 
 def test_init_from_conflicts_count_their_lines(tmp_path):
@@ -96,7 +96,7 @@ def test_init_from_conflicts_count_their_lines(tmp_path):
     init_from.resolve_model(HF_LLAMA, config.model, {"num_layers"})
   message = str(e.value)
   assert message.startswith(f"init_from={str(HF_LLAMA)!r}: 1 model override(s) contradict")
-  assert message.count("\n    - ") == 1
+  assert message.count("\n  - ") == 1
 
 
 # -- recipes.generate: sampling flags --------------------------------------------------------
