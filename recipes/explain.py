@@ -404,7 +404,8 @@ def setup_devices(config, devices: int | None) -> None:
 
 def check_mesh_size(config, devices: int | None) -> None:
   """With ``--devices N``: N is positive and the mesh uses all N devices (else the plan
-  would be for fewer)."""
+  would be for fewer). The mesh the error suggests also passes the training job's own
+  checks (the batch divides into its shards), so following it does not fail next."""
   if devices is None:
     return
   if devices < 1:
@@ -417,31 +418,71 @@ def check_mesh_size(config, devices: int | None) -> None:
     raise ExplainError(
         f"mesh={config.mesh} does not use the {devices} devices of --devices {devices} "
         f"(its sizes multiply to {fixed}{' and -1 cannot fill the rest' if fills else ''}). "
-        f"Give one axis -1 to fill them, e.g. {fitting_mesh(config.mesh, devices)}, or sizes "
-        f"whose product is {devices}.")
+        f"Give one axis -1 to fill them, e.g. "
+        f"{fitting_mesh(config.mesh, devices, lambda mesh: _run_problem(config, mesh))}, or "
+        f"sizes whose product is {devices}.")
 
 
-def fitting_mesh(mesh: dict[str, int], devices: int) -> str:
+def _run_problem(config, mesh: dict[str, int]) -> str | None:
+  """What ``recipes.train`` would refuse about ``config`` on a mesh of these sizes (None:
+  nothing). Axes the rules name but the mesh lacks count as size 1: a missing axis is its
+  own error, whatever the sizes."""
+  import jax
+
+  from recipes import train
+  from recipes.config import TrainConfigError
+  rules = train.make_rules(config)
+  mesh = {**mesh, **{a: 1 for a in rules.mesh_axes if a not in mesh}}
+  try:
+    train.check_run(dataclasses.replace(config, mesh=mesh), rules,
+                    jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)))
+  except TrainConfigError as e:
+    return "; ".join(line[4:] for line in str(e).splitlines() if line.startswith("  * "))
+  return None
+
+
+def fitting_mesh(mesh: dict[str, int], devices: int, problem=lambda sizes: None) -> str:
   """A command-line mesh close to ``mesh`` that uses exactly ``devices`` devices: its ``-1``
-  axis (else the first) fills, every other axis keeps the largest size <= its own that
-  still divides what is left.
+  axis (else the first) fills the rest, the other axes shrink to sizes that divide what is
+  left, as little as they can and so that ``problem`` (``sizes -> None, or why the run would
+  refuse them``) finds nothing. Axes never grow (a size that divides no dim would replicate
+  everything): where every such mesh has a problem, the closest, followed by that problem.
 
   >>> fitting_mesh({'data': 3, 'fsdp': -1}, 64)
   "mesh='{data: 2, fsdp: -1}'"
   >>> fitting_mesh({'data': 4, 'fsdp': 2, 'tensor': 2}, 16)
   "mesh='{data: -1, fsdp: 2, tensor: 2}'"
+  >>> six_layers = lambda sizes: None if 6 % sizes['stage'] == 0 else '6 layers, 4 stages'
+  >>> fitting_mesh({'data': 2, 'stage': 4}, 8, six_layers)
+  "mesh='{data: -1, stage: 2}'"
+  >>> fitting_mesh({'data': 2, 'stage': 4}, 8, lambda sizes: 'batch 3 does not divide')
+  "mesh='{data: -1, stage: 4}' (then: batch 3 does not divide)"
   """
   names = list(mesh)
   fill = next((k for k, v in mesh.items() if v == -1), names[0])
-  left, sizes = devices, {}
-  for name in names:
-    if name == fill:
-      continue
-    size = max(d for d in range(1, max(mesh[name], 1) + 1) if left % d == 0)
-    sizes[name] = size
-    left //= size
-  sizes[fill] = -1
-  return "mesh='{" + ", ".join(f"{k}: {sizes[k]}" for k in names) + "}'"
+  others = [k for k in names if k != fill]
+
+  def shrunk(left: int, axes: list[str]):
+    if not axes:
+      yield {}
+      return
+    for d in (d for d in range(max(mesh[axes[0]], 1), 0, -1) if left % d == 0):
+      for rest in shrunk(left // d, axes[1:]):
+        yield {axes[0]: d, **rest}
+
+  candidates = sorted(shrunk(devices, others),
+                      key=lambda sizes: sum(math.log(mesh[k] / sizes[k]) for k in others))
+
+  def text(sizes: dict[str, int]) -> str:
+    return "mesh='{" + ", ".join(f"{k}: {sizes.get(k, -1)}" for k in names) + "}'"
+
+  def problem_of(sizes: dict[str, int]) -> str | None:
+    return problem({k: sizes.get(k, devices // math.prod(sizes.values())) for k in names})
+
+  for sizes in candidates[:256]:
+    if problem_of(sizes) is None:
+      return text(sizes)
+  return f"{text(candidates[0])} (then: {problem_of(candidates[0])})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,7 @@ batch shards, ``--devices 16`` in a subprocess, the JSON and table outputs, warn
 folders are not packages, so two ``test_explain`` modules would clash.)
 """
 
+import functools
 import io
 import json
 import os
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 from recipes import explain, train
-from recipes.config import load_config
+from recipes.config import TrainConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
@@ -179,6 +180,43 @@ def test_the_suggested_mesh_is_accepted(mesh, devices):
     explain.check_mesh_size(_config(f"mesh={mesh}"), devices)
   suggested = str(e.value).split("e.g. mesh='")[1].split("'")[0]
   explain.check_mesh_size(_config(f"mesh={suggested}"), devices)
+  config = _config(f"mesh={suggested}")
+  fixed = np.prod([v for v in config.mesh.values() if v > 0])
+  sizes = {k: devices // fixed if v == -1 else v for k, v in config.mesh.items()}
+  sizes.update({a: 1 for a in ("data", "fsdp", "tensor") if a not in sizes})  # fsdp_tp's
+  check = functools.partial(train.check_run, config, train.make_rules(config),
+                            jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes)))
+  if "(then: " not in str(e.value):
+    check()
+  else:  # no size fits the batch: what the training job would refuse next is said now
+    with pytest.raises(TrainConfigError) as refused:
+      check()
+    assert f"(then: {str(refused.value).split('  * ')[1]})" in str(e.value)
+
+
+def test_a_suggested_mesh_the_batch_does_not_fit_says_which_batch_does():
+  """--devices 6 suggested a mesh the default batch 64 does not divide into (6 shards x 2
+  micro-batches), so following the advice failed next with another error."""
+  config = load_config(train.default_config_path(), [])
+  with pytest.raises(explain.ExplainError) as e:
+    explain.check_mesh_size(config, 6)
+  message = str(e.value)
+  assert "e.g. mesh='{data: -1, fsdp: 2, tensor: 1}' (then: batch_size=64 does not divide " \
+         "into 6 device shard(s)" in message
+  fixed = message.split("e.g. batch_size=")[1].split(")")[0]
+  config = load_config(train.default_config_path(), [
+      "mesh={data: 3, fsdp: 2, tensor: 1}", f"batch_size={fixed}"])
+  explain.check_mesh_size(config, 6)
+  train.check_run(config, train.make_rules(config),
+                  jax.sharding.AbstractMesh((3, 2, 1), ("data", "fsdp", "tensor")))
+
+
+def test_the_suggested_mesh_shrinks_a_pipeline_to_stages_the_layers_divide():
+  config = load_config(train.default_config_path(), [
+      "preset=pipeline_parallel", "mesh={data: 2, stage: 4}", "model.num_layers=6",
+      "model.scan_layers=true", "batch_size=16"])
+  with pytest.raises(explain.ExplainError, match=r"e.g. mesh='\{data: -1, stage: 2\}', or"):
+    explain.check_mesh_size(config, 4)
 
 
 def test_help_is_plain_text(capsys):
