@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from greedy_testlib import greedy_reference
 from jax.sharding import AxisType
 from mesh_testlib import make_mesh
 
@@ -85,15 +86,6 @@ def _params(cfg, seed=1):
   return _framework("linen", cfg, tokens)[0]
 
 
-def _greedy_reference(params, cfg, prompt, n):
-  """Greedy continuation by re-running the full forward pass on the growing sequence."""
-  seq = list(prompt)
-  for _ in range(n):
-    logits, _ = layers._model.transformer(params, jnp.asarray([seq]), cfg)
-    seq.append(int(jnp.argmax(logits[0, -1])))
-  return seq[len(prompt):]
-
-
 @pytest.mark.slow  # a decode loop / several models: runs in the full suite
 @pytest.mark.parametrize("scan", [False, True])
 def test_padded_batch_rows_equal_rows_alone_and_greedy_reference(scan):
@@ -104,7 +96,7 @@ def test_padded_batch_rows_equal_rows_alone_and_greedy_reference(scan):
   batch = _decode.generate(params, cfg, prompts, sampling).continuations()
   alone = [_decode.generate(params, cfg, [p], sampling).continuations()[0] for p in prompts]
   assert batch == alone
-  assert batch == [_greedy_reference(params, cfg, p, 5) for p in prompts]
+  assert batch == [greedy_reference(params, cfg, p, 5) for p in prompts]
 
 
 def test_three_frameworks_generate_the_same():

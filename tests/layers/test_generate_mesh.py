@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from greedy_testlib import greedy_reference
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from mesh_testlib import make_mesh
 
@@ -41,17 +42,6 @@ def one_device(linen_model):
   return layers.linen.generate(model, variables, PROMPTS, SAMPLING).continuations()
 
 
-@jax.jit
-def _last_argmax(params, tokens):
-  return jnp.argmax(layers._model.transformer(params, tokens, CFG)[0][0, -1])
-
-
-def _greedy_reference(params, prompt, n):
-  """Greedy continuation by re-running the full forward pass on the growing sequence."""
-  seq = list(prompt)
-  for _ in range(n):
-    seq.append(int(_last_argmax(params, jnp.asarray([seq]))))
-  return seq[len(prompt):]
 
 
 def _quiet_generate(*args, **kwargs):
@@ -63,7 +53,7 @@ def _quiet_generate(*args, **kwargs):
 
 def test_one_device_is_the_greedy_full_forward(linen_model, one_device):
   params = layers.linen.decode_params(linen_model[1], CFG)
-  assert one_device == [_greedy_reference(params, p, SAMPLING.max_new_tokens)
+  assert one_device == [greedy_reference(params, CFG, p, SAMPLING.max_new_tokens)
                         for p in PROMPTS]
 
 

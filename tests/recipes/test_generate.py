@@ -12,6 +12,7 @@ import shutil
 import jax
 import jax.numpy as jnp
 import pytest
+from greedy_testlib import greedy_reference as greedy
 from job_testlib import REPO, TINY
 
 import layers
@@ -21,16 +22,6 @@ from recipes.config import load_config
 
 HF_LLAMA = REPO / "tests" / "layers" / "data" / "hf" / "llama"
 FIELDS = re.compile(r"ids: ?([\d ]*)$", re.M)
-
-
-def greedy(params, cfg, prompt, n, stop=()):
-  seq = list(prompt)
-  for _ in range(n):
-    logits, _ = layers._model.transformer(params, jnp.asarray([seq]), cfg)
-    seq.append(int(jnp.argmax(logits[0, -1])))
-    if seq[-1] in stop:
-      break
-  return seq[len(prompt):]
 
 
 def linen_params(weights, cfg):
