@@ -4,9 +4,11 @@ After an adapter has resolved one ``PartitionSpec`` per parameter, it calls
 :func:`audit_placement` before anything is allocated. The audit looks at what the user asked
 for (logical axes, path patterns) next to what was placed:
 
-* ``strict=True``: every name without a rule, path without axes, unused path pattern, rule or
-  spec naming a mesh axis the mesh lacks, and dim that no candidate divides is collected into
-  ONE :class:`PlacementError` (paths written ``a/b/c``).
+* ``strict=True``: every name without a rule, path without axes (with a path table: one no
+  pattern matches; without one: a parameter that declares none and would be fully
+  replicated), unused path pattern, rule or spec naming a mesh axis the mesh lacks, and dim
+  that no candidate divides is collected into ONE :class:`PlacementError` (paths written
+  ``a/b/c``).
 * ``strict=False``: one :class:`~partition.PartitionWarning` per distinct fallback among
   named dims (a name without a rule, a dim no rule divides), whatever the parameter's size;
   null rules replicate on purpose and warn nothing. Then ONE :class:`ReplicatedWarning`
@@ -45,10 +47,11 @@ Add rules for those names, ... or pass strict=True to make this an error.
 >>> audit_placement(tree, axes, specs, rules, mesh, strict=True, api='demo')
 Traceback (most recent call last):
 ...
-partition._base.errors.PlacementError: demo(strict=True): 2 problem(s) in the placement of the parameters:
+partition._base.errors.PlacementError: demo(strict=True): 3 problem(s) in the placement of the parameters:
   mesh: mesh(fsdp=8 Explicit)
   * w dim 0: logical axis 'embd' has no rule (did you mean 'embed'?)
   * w dim 1: logical axis 'mlp' has no rule
+  * v f32[256,128]: no logical axes, so it would be fully replicated
 Add a rule for each name (or fix the typo), ... or pass strict=False.
 """
 
@@ -146,6 +149,10 @@ def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: 
   if strict and path_match is not None:
     problems += [f"{p}: no declared axes and no path pattern matches it"
                  for p in path_match.unmatched]
+  elif strict:  # no table to say "replicate on purpose": nothing declared is a problem
+    problems += [f"{path} {dtype_shape(leaf.dtype, leaf.shape)}: no logical axes, so it "
+                 "would be fully replicated" for path, leaf, axes, _ in replicated
+                 if axes is None]
   if fatal or problems:
     fix = STRICT_FIX if problems else " ".join(
         [SPEC_FIX] * spec_fatal + [PATTERN_FIX] * (len(fatal) > spec_fatal))

@@ -239,3 +239,37 @@ def test_never_silently_replicated_in_all_three(framework):
     _init_big(framework, mesh, strict=True)
   # Three parameters name 'mlp' (two kernels, one bias): one bullet each, one error.
   assert str(e.value).count("logical axis 'mlp' has no rule") == 3
+
+
+def _init_undeclared(framework, mesh, strict):
+  """A stock layer with no logical axes at all and no path table: a 256 KiB kernel."""
+  x = jnp.ones((8, 256))
+  rules = partition.AxisRules([("embed", "data"), ("mlp", "tensor")])
+  if framework == "linen":
+    return partition.flax.init_sharded(nn.Dense(256), jax.random.key(0), x, rules=rules,
+                                       mesh=mesh, strict=strict)
+  if framework == "nnx":
+    return partition.nnx.init_sharded(lambda: nnx.Linear(256, 256, rngs=nnx.Rngs(0)),
+                                      rules=rules, mesh=mesh, strict=strict)
+  return partition.haiku.init_sharded(hk.transform(lambda x: hk.Linear(256)(x)),
+                                      jax.random.key(0), x, rules=rules, mesh=mesh,
+                                      strict=strict)
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
+def test_strict_refuses_parameters_that_declare_no_axes_in_all_three(framework):
+  """strict=True dropped the replicated warning and raised nothing, though the warning says
+  "pass strict=True to make this an error": the kernel was placed P() without a word."""
+  mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
+  with pytest.warns(partition.ReplicatedWarning, match="or pass strict=True to make this an error"):
+    _init_undeclared(framework, mesh, strict=False)
+  with pytest.raises(partition.PlacementError) as e:
+    _init_undeclared(framework, mesh, strict=True)
+  kernel = {"linen": "params/kernel", "nnx": "kernel", "haiku": "linear/w"}[framework]
+  bias = {"linen": "params/bias", "nnx": "bias", "haiku": "linear/b"}[framework]
+  message = str(e.value)
+  assert "2 problem(s)" in message
+  assert f"  * {kernel} f32[256,256]: no logical axes, so it would be fully replicated" \
+      in message
+  assert f"  * {bias} f32[256]: no logical axes, so it would be fully replicated" in message
+  assert "give unmatched parameters axes (a PathRules pattern" in message

@@ -138,9 +138,12 @@ def test_strict_and_replicated_warning():
   text = str(e.value)
   assert "kernel dim 0: logical axis 'embd' has no rule (did you mean 'embed'?)" in text
   assert "kernel dim 1: logical axis 'mlp' has no rule" in text
-  # A mesh axis written directly is not "unknown": it is placed, as flax NNX places it.
+  # A mesh axis written directly is not "unknown": it is placed, as flax NNX places it
+  # (the bias declares its axes too: strict refuses a parameter that declares none).
   model = partition.nnx.init_sharded(
       lambda: nnx.Linear(128, 256, rngs=nnx.Rngs(0),
-                         kernel_metadata={"out_sharding": ("fsdp", "tensor")}),
+                         kernel_metadata={"out_sharding": ("fsdp", "tensor")},
+                         bias_metadata={"out_sharding": ("tensor",)}),
       rules=[("embed", "fsdp")], mesh=mesh, strict=True)
   assert model.kernel[...].sharding.spec == P("fsdp", "tensor")
+  assert model.bias[...].sharding.spec == P("tensor")
