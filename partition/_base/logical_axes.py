@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -188,16 +189,38 @@ def nnx_axes(variable: Any) -> tuple | None:
   for key in ("out_sharding", *_DEPRECATED_NNX_KEYS):
     names = metadata.get(key)
     if names:
-      return _as_names(names)
+      names = _as_names(names, f"the Variable's {key!r} metadata")
+      own_rules = metadata.get("sharding_rules")
+      return _own_rules_spec(names, own_rules) if own_rules else names
   return None
 
 
-def _as_names(names: Any) -> tuple | None:
+def _own_rules_spec(names: tuple, own_rules: Any) -> PartitionSpec:
+  """A Variable with its own ``sharding_rules`` (flax applies those, not the context's):
+  its mesh axes, resolved now as ``flax.linen.logical_to_mesh_axes`` would."""
+  from partition._rules.table import AxisRules
+
+  try:
+    return AxisRules(own_rules).spec(names)
+  except PartitionError as e:
+    raise LogicalAxesError(f"the Variable's 'sharding_rules' metadata: {e}") from None
+
+
+def _as_names(names: Any, where: str = "the logical axes metadata") -> tuple | None:
   if names is None:
     return None
   if isinstance(names, jax.sharding.NamedSharding):
     names = names.spec
-  return tuple(names)
+  if isinstance(names, (tuple, list, PartitionSpec)):
+    for i, entry in enumerate(names):
+      if isinstance(entry, (tuple, list)) and all(isinstance(n, str) for n in entry):
+        raise LogicalAxesTypeError(
+            f"{where}: dim {i} is {tuple(entry)!r}, several names for one dim. Each dim "
+            "takes one logical name, and the rules map it to mesh axes: give it a name, e.g. "
+            f"'{'_'.join(entry)}', and the rule ('{'_'.join(entry)}', {tuple(entry)!r}).")
+  if isinstance(names, PartitionSpec):
+    return tuple(names)
+  return check_names(names, where)
 
 
 def leaf_axes(x: Any) -> tuple | None:
@@ -262,7 +285,10 @@ def declared_axes(leaf: Any, path: tuple, t5x_tables: Mapping[str, Mapping[str, 
                   ) -> tuple | None:
   """A parameter's own logical axes: its box / Variable metadata, else T5X's ``params_axes``
   entry for its path (``t5x_tables`` from :func:`_t5x_tables` of the whole tree)."""
-  axes = leaf_axes(leaf)
+  try:
+    axes = leaf_axes(leaf)
+  except LogicalAxesError as e:
+    raise type(e)(f"{path_str(path) or '<root>'}: {e}") from None
   return _t5x_lookup(t5x_tables, path) if axes is None else axes
 
 
@@ -328,15 +354,22 @@ def logical_axes(tree: Any) -> Any:
   tree = _graph_state(tree)
   tables = _t5x_tables(tree)
   problems: list[str] = []
+  stacked: list[str] = []
 
   def one(path, leaf):
-    axes, shape = fit_rank(declared_axes(leaf, path, tables), leaf)
+    declared = declared_axes(leaf, path, tables)
+    axes, shape = fit_rank(declared, leaf)
     if shape is not None:
       problems.append(f"{path_str(path) or '<root>'}: logical axes {tuple(axes)} name "
                       f"{len(axes)} dims but the parameter has shape {shape}")
+    elif _is_nnx_variable(leaf) and declared is not None and len(declared) < len(axes):
+      stacked.append(f"{path_str(path) or '<root>'} {dtype_shape(leaf.dtype, leaf.shape)}: "
+                     f"{tuple(declared)} read as {tuple(axes)}")
     return axes
 
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=is_param_leaf)
+  if stacked:
+    _warn_short_nnx_axes(stacked)
   if problems:
     raise LogicalAxesError(format_message(
         f"logical_axes: {len(problems)} parameter(s) declare more logical axes than dims:",
@@ -345,6 +378,21 @@ def logical_axes(tree: Any) -> Any:
             "('embed', 'mlp') for a 2-D kernel; a shorter tuple leaves the trailing dims "
             "replicated."))
   return out
+
+
+def _warn_short_nnx_axes(stacked: list[str]) -> None:
+  """NNX keeps a Variable's axes as declared when ``nnx.vmap`` / ``nnx.scan`` stack it without
+  ``transform_metadata``: the names then sit on the leading dims, the layer dim included."""
+  from partition._rules.fallbacks import PartitionWarning
+
+  warnings.warn(format_message(
+      f"logical_axes: {len(stacked)} NNX Variable(s) declare fewer logical axes than dims; "
+      "the names are read as the leading dims', the rest replicated:",
+      bullets=stacked,
+      fix="If nnx.vmap / nnx.scan stacked them (a layer stack), pass it transform_metadata="
+          "{nnx.PARTITION_NAME: 'layers'} (or None for an unnamed dim) so the names follow the "
+          "per-layer dims; otherwise give one name (or None) per dim."),
+      PartitionWarning, stacklevel=3)
 
 
 def unbox(tree: Any) -> Any:

@@ -14,6 +14,7 @@ from mesh_testlib import make_mesh
 
 import partition
 import partition.nnx
+from partition._base.logical_axes import LogicalAxesTypeError
 
 RULES = [("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor")]
 MESH = make_mesh((4, 2), ("fsdp", "tensor"), AxisType.Explicit)
@@ -181,3 +182,103 @@ def test_init_fn_that_returns_no_module_is_an_adapter_type_error():
   assert "partition.nnx.init_sharded: init_fn must return an NNX Module" in message
   assert "returned an array (dtype int32, shape ())" in message
   assert "Return the module it builds" in message
+
+
+def _linear_with(kernel_sharding, rules):
+  init = nnx.with_partitioning(nnx.initializers.lecun_normal(), kernel_sharding)
+  return partition.nnx.init_sharded(
+      lambda: nnx.Linear(8, 16, kernel_init=init, rngs=nnx.Rngs(0)),
+      rules=partition.AxisRules(rules), mesh=make_mesh((4, 2), ("data", "model")))
+
+
+def test_a_str_in_variable_metadata_is_an_error_not_letters():
+  """nnx.with_partitioning(init, 'hidden') was read as the axes ('h', 'i', 'd', 'd', 'e',
+  'n'): a rank error for a bias, letters without rules (replicated) for a 4-D kernel."""
+  with pytest.raises(LogicalAxesTypeError) as e:
+    _linear_with("hidden", [("hidden", "model")])
+  assert str(e.value) == (
+      "kernel: the Variable's 'out_sharding' metadata: logical axes must be a sequence of "
+      "names, got the str 'hidden'. Write ('hidden',) for one dim (a str would be split into "
+      "the letters ('h', 'i', 'd', 'd', 'e', 'n')).")
+
+
+def test_several_names_for_one_dim_say_to_name_it_and_the_following_rule_works():
+  """It raised 'the logical-axes tree and the shapes tree do not match' (kernel/0, kernel/1):
+  the nested tuple was read as a subtree."""
+  with pytest.raises(LogicalAxesTypeError) as e:
+    _linear_with((("data", "model"), None), [])
+  assert str(e.value) == (
+      "kernel: the Variable's 'out_sharding' metadata: dim 0 is ('data', 'model'), several "
+      "names for one dim. Each dim takes one logical name, and the rules map it to mesh axes: "
+      "give it a name, e.g. 'data_model', and the rule ('data_model', ('data', 'model')).")
+  model = _linear_with(("data_model", None), [("data_model", ("data", "model"))])
+  mesh = make_mesh((4, 2), ("data", "model"))
+  with jax.set_mesh(mesh):  # flax's own placement of the nested spec, as the reference
+    flax_model = nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), (("data", "model"), None)))
+  assert model.kernel[...].sharding.spec == flax_model.kernel[...].sharding.spec
+  np.testing.assert_array_equal(model.kernel[...], flax_model.kernel[...])
+
+
+class _Block(nnx.Module):
+  def __init__(self, rngs):
+    self.linear = nnx.Linear(8, 16, rngs=rngs, kernel_init=nnx.with_partitioning(
+        nnx.initializers.lecun_normal(), ("embed", "hidden")))
+
+
+def _stack(transform_metadata):
+  def make():
+    @nnx.split_rngs(splits=4)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata=transform_metadata)
+    def create(rngs):
+      return _Block(rngs)
+    return create(nnx.Rngs(0))
+  return make
+
+
+def test_a_layer_stack_without_transform_metadata_warns_which_dims_the_names_took():
+  """flax's scan-over-layers stack without transform_metadata keeps the per-layer names on a
+  (4, 8, 16) kernel: read as a prefix, 'embed' sharded the layer dim without a word."""
+  mesh = make_mesh((4, 2), ("data", "model"))
+  rules = partition.AxisRules([("embed", "data"), ("hidden", "model")])
+  with pytest.warns(partition.PartitionWarning) as caught:
+    model = partition.nnx.init_sharded(_stack({}), rules=rules, mesh=mesh)
+  texts = [str(w.message) for w in caught]
+  assert any("  * linear/kernel f32[4,8,16]: ('embed', 'hidden') read as ('embed', "
+             "'hidden', None)" in t and "transform_metadata={nnx.PARTITION_NAME: 'layers'}" in t
+             for t in texts), texts
+  assert model.linear.kernel[...].sharding.spec == P("data", "model", None)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", partition.PartitionWarning)
+    named = partition.nnx.init_sharded(_stack({nnx.PARTITION_NAME: None}), rules=rules,
+                                       mesh=mesh)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(list(rules)):  # flax's own placement
+    flax_model = _stack({})()
+  assert named.linear.kernel[...].sharding.spec == flax_model.linear.kernel[...].sharding.spec
+  np.testing.assert_array_equal(named.linear.kernel[...], flax_model.linear.kernel[...])
+
+
+def test_a_variable_with_its_own_sharding_rules_is_placed_by_them_as_flax_places_it():
+  """flax applies a Variable's sharding_rules metadata; the global table used to win silently
+  (dim 0 on 'data' against the Variable's own null rule, dim 1 replicated)."""
+  mesh = make_mesh((4, 2), ("data", "model"))
+  rules = partition.AxisRules([("embed", "data"), ("hidden", "model")])
+
+  def make():
+    return nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_init=nnx.with_metadata(
+        nnx.initializers.lecun_normal(), sharding=("embed", "embed_model_dim"),
+        sharding_rules=[("embed", None), ("embed_model_dim", "model")]))
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", partition.PartitionWarning)
+    model = partition.nnx.init_sharded(make, rules=rules, mesh=mesh)
+  with jax.set_mesh(mesh):
+    flax_model = make()
+  assert model.kernel[...].sharding.spec == flax_model.kernel[...].sharding.spec \
+      == P(None, "model")
+  np.testing.assert_array_equal(model.kernel[...], flax_model.kernel[...])
+  with pytest.raises(partition.LogicalAxesError, match=r"^kernel: the Variable's "
+                     r"'sharding_rules' metadata: "):
+    partition.nnx.init_sharded(lambda: nnx.Linear(8, 16, rngs=nnx.Rngs(0), kernel_init=(
+        nnx.with_metadata(nnx.initializers.lecun_normal(), sharding=("embed", None),
+                          sharding_rules=[("embed", 3)]))), rules=rules, mesh=mesh)
