@@ -52,12 +52,13 @@ from partition._haiku.recording import (
   _constrain_var,
   _declared,
   _explicit_init,
+  _full_name,
   _note,
   _placing,
   _report_unused,
 )
 from partition._haiku.tracing import _prepare, _Traced
-from partition._haiku.validation import _table
+from partition._haiku.validation import _as_axes, _table
 from partition._params import adapt as _adapt
 from partition._params.adapt import AdapterInputError
 from partition._params.path_rules import PathRules
@@ -99,7 +100,8 @@ def get_parameter(name: str, shape: Any, dtype: Any = None, init: Any = None, *,
 
   with hk.custom_creator(creator):
     value = hk.get_parameter(name, shape, dtype, init)
-  return _constrain_var(value, axes) if _active() else value
+  return _constrain_var(value, axes, _full_name(name), "partition.haiku.get_parameter") \
+      if _active() else value
 
 
 def get_state(name: str, shape: Any = None, dtype: Any = jnp.float32, init: Any = None, *,
@@ -117,15 +119,24 @@ def get_state(name: str, shape: Any = None, dtype: Any = jnp.float32, init: Any 
     >>> partition.haiku.eval_axes(f, jax.random.key(0), jnp.ones((2, 4)))
     ({}, {'~': {'total': ('embed',)}})
   """
-  axes = _declared(_STATE, name, shape, axes, "partition.haiku.get_state")
+  api = "partition.haiku.get_state"
+  axes = _declared(_STATE, name, shape, axes, api) if shape is not None else _as_axes(
+      axes, f"{api}({name!r})")
 
   def creator(next_creator, shape, dtype, init, context):
     _note(_STATE, context, shape, axes)
     return next_creator(shape, dtype, init)
 
-  with hk.custom_creator(creator, params=False, state=True):
+  def getter(next_getter, value, context):
+    # Without a shape, the state is read as hk.set_state left it: its rank is known only now.
+    _declared(_STATE, name, jnp.shape(value), axes, api)
+    _note(_STATE, context, jnp.shape(value), axes)
+    return next_getter(value)
+
+  with hk.custom_creator(creator, params=False, state=True), \
+      hk.custom_getter(getter, params=False, state=True):
     value = hk.get_state(name, shape, dtype, init)
-  return _constrain_var(value, axes) if _active() else value
+  return _constrain_var(value, axes, _full_name(name), api) if _active() else value
 
 
 @contextlib.contextmanager
@@ -170,7 +181,7 @@ def param_axes_from(param_axes: PathRules | Any, *, constrain_params: bool = Tru
   def getter(next_getter, value, context):
     axes = lookup(context)
     if axes is not None and _active():
-      value = _constrain_var(value, axes)
+      value = _constrain_var(value, axes, context.full_name, "partition.haiku.param_axes_from")
     return next_getter(value)
 
   with contextlib.ExitStack() as stack:

@@ -19,7 +19,7 @@ from partition._base.mesh import explicit_axes
 from partition._haiku.errors import _LOCAL, _PARAMS, _STATE, Axes, UnusedPatternWarning
 from partition._haiku.validation import _as_axes
 from partition._params.path_rules import PathRules, PathRulesError
-from partition._rules.constrain import constrain
+from partition._rules.constrain import constrain, constrain_as
 from partition._rules.context import current_rules, current_rules_mesh
 
 # -- recording what the init creates -----------------------------------------------------------
@@ -110,14 +110,22 @@ def _active() -> bool:
   return not _explicit_init()
 
 
-def _constrain_var(value: jax.Array, axes: Axes) -> jax.Array:
+def _constrain_var(value: jax.Array, axes: Axes, name: str, api: str) -> jax.Array:
   """Constrains a param / state value (short axes are a prefix, as in flax); inside
   ``hk.layer_stack``'s scan it is one layer's slice, so a table entry spelled for the stacked
-  array keeps only its trailing axes."""
+  array keeps only its trailing axes. Rules that do not place it warn naming it (``name``, its
+  Haiku path), except while ``init_sharded`` traces: its placement audit reports them."""
   ndim = jnp.ndim(value)
   if len(axes) > ndim:
     axes = axes[len(axes) - ndim:]
-  return constrain(value, tuple(axes) + (None,) * (ndim - len(axes)))
+  return constrain_as(value, tuple(axes) + (None,) * (ndim - len(axes)), name=name, api=api,
+                      stacklevel=4, warn=getattr(_LOCAL, "placing", 0) == 0)
+
+
+def _full_name(name: str) -> str:
+  """``module/name`` of a param / state read in the current module."""
+  module = hk.experimental.current_name()
+  return f"{module}/{name}" if module and module != "~" else f"~/{name}"
 
 
 # -- declaring axes inside a transform ---------------------------------------------------------

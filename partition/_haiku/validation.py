@@ -74,8 +74,13 @@ def _check_transformed(transformed: Any) -> str | None:
   if "flax" in type(transformed).__module__:
     return (f"transformed is a Flax {kind}; use partition.flax.init_sharded or "
             "partition.nnx.init_sharded for Flax models")
+  name = getattr(transformed, "__name__", kind)
+  if callable(transformed) and name in ("init_fn", "apply_fn") and getattr(
+      transformed, "__module__", "").startswith("haiku."):
+    method = name[:-len("_fn")]
+    return (f"transformed is the {method} function of a Haiku transform (f.{method}), not the "
+            f"transform: pass f itself (f = hk.transform(...)), not f.{method}")
   if callable(transformed):
-    name = getattr(transformed, "__name__", kind)
     return (f"transformed is a plain callable ({name}), not a Haiku transform: pass "
             f"hk.transform({name}) (or hk.transform_with_state({name}) if it uses state)")
   return (f"transformed must be an hk.transform / hk.transform_with_state result, got {kind} "

@@ -68,6 +68,15 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
     >>> partition.constrain(jnp.ones(3), ('batch',)).shape  # no mesh: no-op
     (3,)
   """
+  return constrain_as(x, logical_axes, rules=rules, mesh=mesh, strict=strict)
+
+
+def constrain_as(x: Any, logical_axes: Any, *, rules: Any = None, mesh: AnyMesh | None = None,
+                 strict: bool = False, name: str = "x", api: str = "partition.constrain",
+                 stacklevel: int = 3, warn: bool = True) -> Any:
+  """:func:`constrain`, its warnings naming the array ``name`` (a param's path) for the
+  entry point ``api``, pointing ``stacklevel`` frames up; ``warn=False`` leaves the rules'
+  fallbacks to a caller that reports them itself (an init's placement audit)."""
   if not isinstance(strict, bool):
     raise RulesTypeError(
         f"partition.constrain(strict=...) takes True or False, got {short(strict)}.")
@@ -81,7 +90,7 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
           "sets no mesh that JAX's public API can read).",
           fix="Run under `with jax.set_mesh(mesh):`, or pass the mesh: "
               "`with partition.axis_rules(rules, mesh):` / mesh=."),
-          PartitionWarning, stacklevel=2)
+          PartitionWarning, stacklevel=stacklevel)
     return x
   _check_context_mesh(found_mesh, x)
   found_rules = current_rules(rules)
@@ -96,19 +105,20 @@ def constrain(x: Any, logical_axes: LogicalAxes | Any, *, rules: Any = None,
   if is_axes_leaf(logical_axes) or _flat_sequence(logical_axes) or (
       jax.tree_util.all_leaves([logical_axes])):  # one array's axes, even malformed ones
     spec = _one_spec(found_rules, logical_axes, x, found_mesh, strict)
-    _note(fallbacks, "x", found_rules, logical_axes, x.shape, found_mesh, strict)
+    _note(fallbacks, name, found_rules, logical_axes, x.shape, found_mesh, strict)
     out = _apply(x, spec, found_mesh)
   else:
     def one(path, axes, leaf):
       spec = found_rules.spec(axes, leaf.shape, found_mesh, strict)
-      _note(fallbacks, f"x/{path_str(path)}" if path else "x", found_rules, axes, leaf.shape,
-            found_mesh, strict)
+      _note(fallbacks, f"{name}/{path_str(path)}" if path else name, found_rules, axes,
+            leaf.shape, found_mesh, strict)
       return spec
 
     specs = map_axes_tree(one, logical_axes, x, "partition.constrain")
     out = jax.tree.map(lambda s, leaf: _apply(leaf, s, found_mesh), specs, x,
                        is_leaf=lambda s: isinstance(s, PartitionSpec))
-  warn_fallbacks("partition.constrain", fallbacks, found_rules, stacklevel=2)
+  if warn:
+    warn_fallbacks(api, fallbacks, found_rules, stacklevel=stacklevel)
   return out
 
 

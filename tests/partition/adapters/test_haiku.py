@@ -1,5 +1,7 @@
 """partition.haiku: get_parameter(axes=), path tables, sharded init, apply constraints."""
 
+import re
+
 import haiku as hk
 import jax
 import jax.numpy as jnp
@@ -435,3 +437,65 @@ def test_table_pattern_matching_a_declared_parameter_is_used_under_strict():
   with pytest.raises(partition.PlacementError, match=r"'never\$'"):
     partition.haiku.init_sharded(hk.transform(declared), jax.random.key(0), jnp.ones((4, 8)),
                                  rules=RULES, mesh=MESH, param_axes=stale, strict=True)
+
+
+def _accumulate(axes):
+  def f(x):
+    hk.set_state("acc", jnp.arange(4.0))
+    return x + partition.haiku.get_state("acc", axes=axes)  # no shape, as hk.get_state allows
+  return hk.transform_with_state(f)
+
+
+def test_get_state_without_a_shape_reads_the_state_set_before_and_declares_its_axes():
+  """It raised TypeError: 'NoneType' object is not iterable (len(tuple(shape)))."""
+  f, x = _accumulate(("embed",)), jnp.ones((2, 4))
+  assert partition.haiku.eval_axes(f, jax.random.key(0), x) == ({}, {"~": {"acc": ("embed",)}})
+  params, state = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES,
+                                               mesh=AUTO_MESH)
+  assert state["~"]["acc"].sharding.spec == P("fsdp")
+  _, want = f.init(jax.random.key(0), x)
+  np.testing.assert_array_equal(state["~"]["acc"], want["~"]["acc"])
+  with pytest.raises(partition.LogicalAxesError, match=re.escape(
+      "partition.haiku.get_state('acc'): shape (4,) has 1 dims but axes=('embed', 'mlp') "
+      "names 2.")):
+    _accumulate(("embed", "mlp")).init(jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("method", ["init", "apply"])
+def test_passing_the_init_or_apply_function_says_to_pass_the_transform(method):
+  """It said "transformed is a plain callable (init_fn) ...: pass hk.transform(init_fn)"."""
+  f = hk.transform(lambda x: hk.Linear(8)(x))
+  with pytest.raises(partition.AdapterInputError) as e:
+    partition.haiku.init_sharded(getattr(f, method), jax.random.key(0), jnp.ones((2, 4)),
+                                 rules=RULES, mesh=AUTO_MESH)
+  assert (f"transformed is the {method} function of a Haiku transform (f.{method}), not the "
+          f"transform: pass f itself (f = hk.transform(...)), not f.{method}") in str(e.value)
+
+
+def _typo_dense(x):
+  w = partition.haiku.get_parameter("w", (x.shape[-1], 16), init=jnp.ones,
+                                    axes=("embed", "mpl"))
+  return x @ w
+
+
+def test_a_typo_in_get_parameter_warns_once_per_use_naming_the_parameter(recwarn):
+  """init_sharded also warned from inside the library about an unnamed "x dim 1"; at apply
+  time that was the only warning."""
+  import warnings
+  f = hk.transform(lambda x: hk.to_module(_typo_dense)(name="dense")(x))
+  x = jnp.ones((4, 8))
+  warnings.simplefilter("always")
+  params = partition.haiku.init_sharded(f, jax.random.key(0), x, rules=RULES, mesh=AUTO_MESH)
+  texts = [str(w.message) for w in recwarn.list if issubclass(w.category,
+                                                              partition.PartitionWarning)]
+  assert len(texts) == 1, texts
+  assert texts[0].startswith("partition.haiku.init_sharded: logical axis 'mpl' has no rule "
+                             "(did you mean 'mlp'?), so dense/w dim 1 is replicated.")
+  recwarn.clear()
+  with partition.axis_rules(RULES, AUTO_MESH):
+    jax.jit(f.apply)(params, None, x)
+  caught = [w for w in recwarn.list if issubclass(w.category, partition.PartitionWarning)]
+  assert [str(w.message).splitlines()[0] for w in caught] == [
+      "partition.haiku.get_parameter: logical axis 'mpl' has no rule (did you mean 'mlp'?), "
+      "so dense/w dim 1 is replicated."]
+  assert caught[0].filename == __file__  # the get_parameter call above, not the library
