@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from greedy_testlib import greedy_reference
 from jax.sharding import AxisType
+from marks_testlib import everyday
 from mesh_testlib import make_mesh
 
 import layers
@@ -65,12 +66,12 @@ def _cached_logits(params, cfg, tokens, prompt):
 
 
 @pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
-@pytest.mark.parametrize("variant", [
+@pytest.mark.parametrize("variant", everyday([
     dict(),
     dict(scan_layers=True, tie_embeddings=False, qkv_bias=True),
     dict(num_kv_heads=1, scan_layers=True),                                  # MQA
     dict(num_experts=2, experts_per_token=2),   # capacity >= length: nothing dropped
-])
+], dict(), dict(num_kv_heads=1, scan_layers=True)))
 def test_cached_logits_equal_full_forward(framework, variant):
   cfg = _config(**variant)
   tokens = jax.random.randint(jax.random.key(0), (2, 9), 0, cfg.vocab_size)
@@ -114,7 +115,8 @@ def test_three_frameworks_generate_the_same():
   assert layers.haiku.generate(cfg, hk_params, prompts, s).continuations() == want
 
 
-@pytest.mark.parametrize("preset", sorted(MESHES))
+@pytest.mark.parametrize("preset", everyday(sorted(MESHES), "data_parallel", "fsdp_tp",
+                                             "pipeline_parallel"))
 def test_sharded_decode_equals_one_device(preset):
   experts = preset == "expert_parallel"
   cfg = _config(scan_layers="pp" in preset or "pipeline" in preset, num_layers=4,

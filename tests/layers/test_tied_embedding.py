@@ -20,6 +20,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jaxpr_testlib import matmul_flops
 from layers_testlib import FRAMEWORKS, TARGETS, TOKENS, build, config, loss_fn
+from marks_testlib import everyday
 from mesh_testlib import make_mesh
 
 import layers
@@ -51,7 +52,7 @@ def _assert_grads_close(got, want):
                                atol=1e-6 * float(np.abs(value).max()), err_msg=name)
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("framework", everyday(FRAMEWORKS, "linen"))
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "data_parallel_4"])
 def test_tied_table_gradient_equals_untied_autodiff(framework, sharded):
   cfg = config()

@@ -180,6 +180,7 @@ def _train(out, *overrides):
   return summary, log.getvalue(), table.getvalue()
 
 
+@pytest.mark.slow  # trains two runs
 def test_resume_past_steps_then_with_more_steps(tmp_path):
   out = tmp_path / "run"
   _train(out, "steps=2")

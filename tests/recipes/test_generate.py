@@ -150,6 +150,7 @@ def linen_run(tmp_path_factory):
   return out
 
 
+@pytest.mark.slow  # trains the run it reads
 def test_digit_prompt_of_another_length_gets_a_note(linen_run, capsys):
   """It answered with no word; the model has only seen 8-digit questions."""
   rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--prompt", "314"])
@@ -161,6 +162,7 @@ def test_digit_prompt_of_another_length_gets_a_note(linen_run, capsys):
   assert rc == 0 and "note:" not in err, err
 
 
+@pytest.mark.slow  # trains the run it reads
 def test_out_of_vocab_ids_in_a_run_checkpoint_name_the_flag(linen_run, capsys):
   vocab = load_config(train.default_config_path(), TINY).model.vocab_size
   rc, _, err = run_cli(capsys, ["--checkpoint", str(linen_run), "--tokens", f"4 {vocab}"])
