@@ -41,6 +41,7 @@ Haiku ``transformer/blocks_3/...``, ``transformer/blocks/...`` and
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -302,6 +303,12 @@ def from_canonical(weights: dict[str, Any], like: Any) -> Any:
   Raises:
     CanonicalError: listing every missing, unused or mis-shaped weight.
   """
+  linen = sys.modules.get("flax.linen")
+  if linen is not None and isinstance(like, linen.Module):  # the module, not its variables
+    raise CanonicalError(format_message(
+        f"from_canonical: like= is a {type(like).__name__}, not the params to imitate.",
+        fix="Pass the model's params: linen variables (module.init(...) output), Haiku "
+            "params (f.init(...)), or an NNX module / nnx.state(module)."))
   graph, tree = _nnx_state(like)
   problems, used = [], set()
 

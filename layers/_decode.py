@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -299,7 +300,12 @@ class Sampling:
   stop_tokens: tuple[int, ...] = ()
 
   def __post_init__(self):
-    object.__setattr__(self, "stop_tokens", tuple(self.stop_tokens))
+    # One int is one stop token, as a Hugging Face eos_token_id may be.
+    stops = self.stop_tokens
+    object.__setattr__(self, "stop_tokens",
+                       (stops,) if _is_int(stops) else tuple(stops) if isinstance(
+                           stops, (Sequence, np.ndarray)) and not isinstance(stops, str)
+                       else stops)
     problems = Sampling.problems(**{f.name: getattr(self, f.name)
                                     for f in dataclasses.fields(self)})
     if problems:
@@ -338,6 +344,10 @@ class Sampling:
                        "a temperature > 0 to sample, or leave top_k=0 and top_p=1.0"))
     if not _is_int(seed):
       problems.append((("seed",), f"seed={seed!r} must be an int"))
+    if not isinstance(stop_tokens, tuple):
+      problems.append((("stop_tokens",), f"stop_tokens={stop_tokens!r} must be token ids: an "
+                       "int or a sequence of ints, e.g. stop_tokens=(2,)"))
+      stop_tokens = ()
     bad = [t for t in stop_tokens if not _is_int(t) or t < 0]
     if bad:
       problems.append((("stop_tokens",), f"stop_tokens has {bad}: token ids are ints >= 0"))
@@ -430,7 +440,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, where: str
   >>> pad_prompts([[5, 6, 7], [8]])[0].tolist()
   [[5, 6, 7], [8, 0, 0]]
   """
-  rows = [list(p) for p in prompts]
+  rows = _prompt_rows(prompts, where)
   empty = [i for i, p in enumerate(rows) if not p]
   if not rows or empty:
     raise GenerateError(f"{where}: prompt(s) {empty or 'list'} empty: every row needs at "
@@ -440,6 +450,71 @@ def pad_prompts(prompts: Sequence[Sequence[int]], *, pad_id: int = 0, where: str
   for i, p in enumerate(rows):
     tokens[i, :len(p)] = p
   return tokens, lengths
+
+
+PROMPTS_FIX = "Pass prompts as a list of lists of int token ids, e.g. [[1, 5, 9], [3]]."
+
+
+def _prompt_rows(prompts: Any, where: str) -> list[list[int]]:
+  """The rows of ``prompts``, each a list of int ids; text, floats or a flat list of ids
+  (once read as one prompt per digit, or truncated) are errors."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray,
+                                                                    jax.Array)):
+    raise GenerateError(format_message(
+        f"{where}: prompts={prompts!r:.60} is a {type(prompts).__name__}, not a batch of "
+        "token ids (text goes through a tokenizer first).", fix=PROMPTS_FIX))
+  rows, problems = [], []
+  for i, row in enumerate(prompts):
+    if _is_int(row):
+      raise GenerateError(format_message(
+          f"{where}: prompts[{i}] is the int {row}: prompts is one list of ids, not a batch "
+          "of them.", fix=f"Wrap it: {[[int(t) if _is_int(t) else t for t in prompts]]!r:.60} "
+                          "for one prompt."))
+    ids = list(np.asarray(row).ravel()) if isinstance(row, (np.ndarray, jax.Array)) else (
+        None if isinstance(row, (str, bytes)) or not isinstance(row, Sequence) else list(row))
+    if ids is None:
+      problems.append(f"prompts[{i}] is a {type(row).__name__} ({row!r:.40}), not a list of "
+                      "ids (text goes through a tokenizer first)")
+    elif bad := [t for t in ids if not _is_int(t)]:
+      problems.append(f"prompts[{i}] has ids that are not ints: {bad[:4]!r}")
+    rows.append(ids or [])
+  if problems:
+    raise GenerateError(format_message(f"{where}: {len(problems)} prompt(s) are not token ids.",
+                                       bullets=problems, fix=PROMPTS_FIX))
+  return rows
+
+
+def check_params(params: Params, config: TransformerConfig, where: str = "generate") -> None:
+  """``params`` is the tree of ``config``'s model: the same arrays, of the same shapes (a
+  ``num_layers`` or ``vocab_size`` that differs from the weights' would decode wrong or in
+  JAX's words)."""
+  want = {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(s.shape) for k, s in
+          jax.tree_util.tree_flatten_with_path(
+              transformer_params(config), is_leaf=lambda s: hasattr(s, "init"))[0]}
+  have = {re.sub(r"^blocks_(\d+)/", r"blocks/\1/", jax.tree_util.keystr(
+      k, simple=True, separator="/")): tuple(np.shape(x))
+          for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  problems = []
+  layers_have = {int(m[1]) for k in have if (m := re.match(r"blocks/(\d+)/", k))}
+  if not config.scan_layers and layers_have and len(layers_have) != config.num_layers:
+    problems.append(f"blocks: the params hold {len(layers_have)} layer(s), the config has "
+                    f"num_layers={config.num_layers}")
+    want = {k: v for k, v in want.items() if not k.startswith("blocks/")}
+    have = {k: v for k, v in have.items() if not k.startswith("blocks/")}
+  problems += [f"{k}: missing (the config has it, shape {v})" for k, v in want.items()
+               if k not in have]
+  problems += [f"{k}: not in this config's model (shape {v})" for k, v in have.items()
+               if k not in want]
+  problems += [f"{k}: shape {have[k]}, but the config makes {v}" for k, v in want.items()
+               if k in have and have[k] != v]
+  if problems:
+    shown = problems[:8] + ([f"... and {len(problems) - 8} more"] if len(problems) > 8 else [])
+    raise GenerateError(format_message(
+        f"{where}: the params are not the model of this config ({len(problems)} problem(s)).",
+        bullets=shown,
+        fix="Pass the config the params were made with (the training run's model.*); "
+            "canonical weights (layers.from_hf, layers.to_canonical) go through "
+            "layers.from_canonical(weights, like=<the model's own params>) first."))
 
 
 def check_prompts(tokens: np.ndarray, lengths: np.ndarray, config: TransformerConfig,
@@ -536,7 +611,18 @@ def generate(params: Params, config: TransformerConfig, prompts: Sequence[Sequen
       (or ``rules=`` without a mesh); params sharded over devices other than the mesh's.
   """
   sampling = Sampling() if sampling is None else sampling
+  if not isinstance(sampling, Sampling):
+    raise GenerateError(format_message(
+        f"{where}: sampling is a {type(sampling).__name__}, not a layers.Sampling.",
+        fix="Pass layers.Sampling(...)" + (f", e.g. layers.Sampling(**{sampling!r:.60})"
+                                          if isinstance(sampling, dict) else "") + "."))
+  if not _is_int(pad_id) or not 0 <= pad_id < config.vocab_size:
+    raise GenerateError(format_message(
+        f"{where}: pad_id={pad_id!r} is not a token id of the vocabulary "
+        f"0..{config.vocab_size - 1} (its embedding would be NaN, and the padded rows with it).",
+        fix="Pass an id the model has, e.g. pad_id=0."))
   sampling.check_vocab(config.vocab_size)
+  check_params(params, config, where)
   tokens, lengths = pad_prompts(prompts, pad_id=pad_id, where=where)
   check_prompts(tokens, lengths, config, where)
   given_rules, given_mesh = rules is not None, mesh is not None

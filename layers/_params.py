@@ -203,9 +203,9 @@ def named_blocks(specs: dict[str, Any]) -> dict[str, Any]:
 
 def listed_blocks(params: dict[str, Any], num_layers: int) -> dict[str, Any]:
   """Inverse of :func:`named_blocks` on the created arrays."""
-  if "blocks" in params:
-    return params
   names = [f"blocks_{i}" for i in range(num_layers)]
+  if "blocks" in params or not all(n in params for n in names):
+    return params  # not this layout, or not this many layers: left for the caller's check
   rest = {k: v for k, v in params.items() if k not in names}
   return {**rest, "blocks": [params[n] for n in names]}
 

@@ -247,5 +247,9 @@ def generate(model: Transformer, prompts: Any, sampling: _decode.Sampling | None
   >>> layers.nnx.generate(model, [[1, 2, 3]], layers.Sampling(max_new_tokens=3)).tokens.shape
   (1, 3)
   """
+  if not isinstance(model, Transformer):
+    raise _decode.GenerateError(
+        f"layers.nnx.generate: model is a {type(model).__name__}, not a layers.nnx.Transformer."
+        " Call it as layers.nnx.generate(model, prompts, sampling).")
   return _decode.generate(model.values(), model.config, prompts, sampling,
                           where="layers.nnx.generate", **kwargs)
