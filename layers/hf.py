@@ -68,6 +68,7 @@ import itertools
 import json
 import math
 import pathlib
+import warnings
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -85,10 +86,29 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
 #: architectures whose sliding window becomes max_len (see config_from_hf)
 WINDOWED = ("mistral", "mixtral")
 INDEX = "model.safetensors.index.json"
+#: what each family's ``transformers`` config class assumes for a key config.json leaves
+#: out (``MixtralConfig``: rope_theta=1e6, rms_norm_eps=1e-5; ``MistralConfig``:
+#: sliding_window=4096; the others' as ``LlamaConfig``'s)
+FAMILY_DEFAULTS = {
+    arch: {"rope_theta": 10_000.0, "rms_norm_eps": 1e-6, "sliding_window": None,
+           **({"rope_theta": 1e6, "rms_norm_eps": 1e-5} if arch == "mixtral" else {}),
+           **({"sliding_window": 4096} if arch == "mistral" else {})}
+    for arch in ARCHITECTURES}
 
 
 class HFError(PartitionError, ValueError):
   """A Hugging Face checkpoint that is missing, malformed, or not supported by ``layers``."""
+
+
+def read_json(path: pathlib.Path, api: str) -> Any:
+  """A checkpoint's JSON file; a truncated or hand-broken one is an :class:`HFError` naming
+  the file and the place (a download or a save cut short)."""
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise HFError(f"{api}: {str(path)!r} is not valid JSON (line {e.lineno}, column "
+                  f"{e.colno}: {e.msg}). A download or save_pretrained cut short leaves it "
+                  "truncated: fetch or save the checkpoint again.") from None
 
 
 # -- config.json <-> TransformerConfig -------------------------------------------------------
@@ -110,7 +130,8 @@ def _architecture(hf: Mapping[str, Any], where: str) -> str:
       "weights (layers.from_canonical).")
 
 
-def _rope(hf: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScaling | None]:
+def _rope(hf: Mapping[str, Any], problems: list[str], default_theta: float = 10_000.0
+          ) -> tuple[float, RopeScaling | None]:
   """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or
   ``rope_scaling`` and a top-level ``rope_theta`` (4.x); a RoPE layers does not compute is
   added to ``problems``."""
@@ -120,7 +141,7 @@ def _rope(hf: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScalin
     problems.append(f"{field} is nested per layer type ({sorted(params)}): layers uses one "
                     "RoPE for every layer")
     return 10_000.0, None
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10_000.0)))
+  theta = float(params.get("rope_theta", hf.get("rope_theta", default_theta)))
   partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
   if partial not in (None, 1, 1.0):
     problems.append(f"partial_rotary_factor={partial!r}: layers rotates the whole head_dim")
@@ -132,6 +153,8 @@ def _rope(hf: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScalin
                     "'linear' and 'llama3' only")
     return theta, None
   needed = ("factor",) + (("low_freq_factor", "high_freq_factor") if kind == "llama3" else ())
+  needed += ("original_max_position_embeddings",) if kind == "llama3" and hf.get(
+      "original_max_position_embeddings") is None else ()
   missing = [k for k in needed if params.get(k) is None]
   if missing:
     problems.append(f"{field}.rope_type={kind!r} lacks {missing}")
@@ -139,11 +162,10 @@ def _rope(hf: Mapping[str, Any], problems: list[str]) -> tuple[float, RopeScalin
   extra = {}
   if kind == "llama3":
     original = params.get("original_max_position_embeddings",
-                          hf.get("original_max_position_embeddings",
-                                 hf.get("max_position_embeddings")))
+                          hf.get("original_max_position_embeddings"))
     extra = dict(low_freq_factor=float(params["low_freq_factor"]),
                  high_freq_factor=float(params["high_freq_factor"]),
-                 original_max_len=int(original or 8192))
+                 original_max_len=int(original))
   scaling = RopeScaling(kind, float(params["factor"]), **extra)
   problems.extend(f"{field}: {p}" for p in scaling.problems())
   return theta, scaling
@@ -198,17 +220,25 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
   if missing:
     raise HFError(f"from_hf: {where} lacks {missing}; is it a {ARCHITECTURES[arch]} config?")
   problems: list[str] = []
-  theta, scaling = _rope(hf, problems)
+  defaults = FAMILY_DEFAULTS[arch]
+  theta, scaling = _rope(hf, problems, defaults["rope_theta"])
   _unsupported(hf, arch, problems)
   if problems:
     raise HFError(format_message(f"from_hf: {where} ({ARCHITECTURES[arch]}) uses "
                                  f"{len(problems)} unsupported setting(s).", bullets=problems,
                                  fix="layers would compute something else; use a checkpoint "
                                      "without these settings."))
+  dropouts = {k: hf[k] for k in ("attention_dropout", "hidden_dropout", "resid_pdrop",
+                                  "embd_pdrop") if hf.get(k)}
+  if dropouts:
+    warnings.warn(f"from_hf: {where} sets {dropouts}; layers has no dropout: the logits equal "
+                  "transformers' eval mode (inference is exact), and a fine-tune from it trains "
+                  "without dropout.", UserWarning, stacklevel=3)
   heads = hf["num_attention_heads"]
   max_len = hf.get("max_position_embeddings") or 2048
-  if arch in WINDOWED and hf.get("sliding_window"):
-    max_len = min(max_len, hf["sliding_window"])
+  window = hf.get("sliding_window", defaults["sliding_window"])
+  if arch in WINDOWED and window:
+    max_len = min(max_len, window)
   moe = {}
   if arch == "mixtral":
     experts, k = hf["num_local_experts"], hf["num_experts_per_tok"]
@@ -221,7 +251,7 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: Any = "float32", where: str 
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       num_layers=hf["num_hidden_layers"], max_len=max_len, param_dtype=dtype,
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_theta=theta,
-      rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rope_scaling=scaling, norm_eps=float(hf.get("rms_norm_eps", defaults["rms_norm_eps"])),
       qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3", **moe)
   return config, arch
 
@@ -401,7 +431,7 @@ class _Files:
     self.directory, self._open, self._handles = directory, safetensors.safe_open, {}
     index = directory / INDEX
     if index.is_file():
-      self.where = {k: directory / v for k, v in json.loads(index.read_text())
+      self.where = {k: directory / v for k, v in read_json(index, "from_hf")
                     ["weight_map"].items()}
     else:
       files = sorted(directory.glob("*.safetensors"))
@@ -506,7 +536,7 @@ def from_hf(path: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None,
   if not config_file.is_file():
     raise HFError(f"from_hf: {str(path)!r} has no config.json. Pass a local directory "
                   "written by transformers' save_pretrained (config.json + *.safetensors).")
-  config, _ = config_from_hf(json.loads(config_file.read_text()), dtype=dtype,
+  config, _ = config_from_hf(read_json(config_file, "from_hf"), dtype=dtype,
                              where=str(config_file))
   if mesh is not None and rules is None:
     raise HFError("from_hf: mesh= needs rules= (e.g. partition.AxisRules.from_file("
@@ -526,7 +556,8 @@ def from_hf(path: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None,
 
 
 def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pathlib.Path,
-          *, architecture: str | None = None, max_shard_bytes: int | None = None) -> list[str]:
+          *, architecture: str | None = None, max_shard_bytes: int | None = None,
+          token_ids: Mapping[str, Any] | None = None) -> list[str]:
   """Writes canonical weights as a ``transformers`` checkpoint directory.
 
   Args:
@@ -538,6 +569,9 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
       tensors exceed ``max_shard_bytes``.
     architecture: a key of ``ARCHITECTURES``; default ``'qwen2'`` with ``qkv_bias``,
       ``'qwen3'`` with ``qk_norm``, ``'mixtral'`` with experts, else ``'llama'``.
+    token_ids: ``config.json``'s special token ids to write (``bos_token_id``,
+      ``eos_token_id``, ``pad_token_id``; :func:`token_ids` reads them from a source
+      checkpoint): without ``eos_token_id``, generation from the export never stops early.
 
   Returns:
     The names of the files written. Arrays are gathered to the host one at a time.
@@ -585,9 +619,24 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
   (directory / INDEX).unlink(missing_ok=True)
   dtype = str(next(iter(tensors.values())).dtype)
   written = _write_tensors(directory, tensors, max_shard_bytes)
-  atomic_write(directory / "config.json",
-               json.dumps(config_to_hf(config, architecture, dtype), indent=2) + "\n")
+  unknown = sorted(set(token_ids or {}) - set(TOKEN_ID_KEYS))
+  if unknown:
+    raise HFError(f"to_hf: token_ids has {unknown}, which are not special token ids; give "
+                  f"only {list(TOKEN_ID_KEYS)}.")
+  hf = {**config_to_hf(config, architecture, dtype), **(token_ids or {})}
+  atomic_write(directory / "config.json", json.dumps(hf, indent=2) + "\n")
   return [*written, "config.json"]
+
+
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""The special token ids of ``config.json`` (the weights do not hold them)."""
+
+
+def token_ids(path: str | pathlib.Path) -> dict[str, Any]:
+  """The special token ids of the checkpoint at ``path`` (its ``config.json``), for
+  :func:`to_hf` to carry into an export of a model fine-tuned from it."""
+  hf = read_json(pathlib.Path(path) / "config.json", "token_ids")
+  return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
 
 
 def _write_tensors(directory: pathlib.Path, tensors: dict[str, np.ndarray],

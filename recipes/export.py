@@ -148,13 +148,44 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
          "weights": {k: {"shape": list(v.shape), "dtype": str(v.dtype)}
                      for k, v in sorted(canonical.items())}}
   if to == "hf":   # safetensors stores bfloat16 as is
-    doc["files"] = layers.to_hf(canonical, model_config(meta), out, architecture=architecture)
+    source = _fine_tuned_from(meta)
+    if source is not None:
+      doc["source"] = str(source)
+      source_type = layers.hf.read_json(source / "config.json", "recipes.export").get(
+          "model_type")
+      architecture = architecture or (
+          source_type if source_type in layers.hf.ARCHITECTURES else None)
+    doc["files"] = layers.to_hf(canonical, model_config(meta), out, architecture=architecture,
+                                token_ids=layers.hf.token_ids(source) if source else None)
+    doc["files"] += _copy_tokenizer(source, out) if source else []
     return doc
   buffer = io.BytesIO()
   np.savez(buffer, **canonical)
   atomic_write(out, buffer.getvalue())
   atomic_write(config_path(out), json.dumps(doc, indent=2, sort_keys=True) + "\n")
   return doc
+
+
+# What a Hugging Face directory holds besides its weights and config.json, for text in and
+# out (tokenizers, transformers' generate defaults); a fine-tune keeps its base model's.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+def _fine_tuned_from(meta: dict[str, Any]) -> pathlib.Path | None:
+  """The Hugging Face directory the run started from (``init_from``), if it is still there."""
+  source = meta["config"].get("init_from")
+  if not source or not (pathlib.Path(source) / "config.json").is_file():
+    return None
+  return pathlib.Path(source)
+
+
+def _copy_tokenizer(source: pathlib.Path, out: pathlib.Path) -> list[str]:
+  from partition.internal import atomic_write
+  copied = [name for name in TOKENIZER_FILES if (source / name).is_file()]
+  for name in copied:
+    atomic_write(out / name, (source / name).read_bytes())
+  return copied
 
 
 def architecture_without_hf(architecture: str, to: str) -> str:

@@ -471,23 +471,26 @@ def generate(args: argparse.Namespace, out=None) -> Any:
                               where="recipes.generate")
   shown = [repr(p) for p in args.prompt] + [f"ids {t}" for t in args.tokens]
   print_result(shown, result, source.codec, out)
-  _note_cut_rows(prompts, result, sampling, config.model.max_len)
+  _note_cut_rows(prompts, result, sampling, config.model.max_len,
+                 from_hf=config.init_from is not None)
   return result
 
 
-def _note_cut_rows(prompts, result, sampling, max_len: int) -> None:
+def _note_cut_rows(prompts, result, sampling, max_len: int, from_hf: bool = False) -> None:
   """Says on stderr which rows stopped short of ``max_new_tokens`` at the model's length
-  (not at a stop token), so a short answer is not mistaken for the model's choice."""
+  (not at a stop token), so a short answer is not mistaken for the model's choice. A
+  Hugging Face checkpoint's max_len is its max_position_embeddings: it cannot grow."""
   stops = set(sampling.stop_tokens)
   cut = [(i, len(ids)) for i, (p, ids) in enumerate(zip(prompts, result.continuations()))
          if len(ids) < sampling.max_new_tokens and not (ids and ids[-1] in stops)
          and len(p) + len(ids) >= max_len]
   if cut:
     rows = ", ".join(f"[{i}] after {n}" for i, n in cut)
+    how = ("the checkpoint's max_position_embeddings: shorten the prompt to generate "
+           "further" if from_hf else "pass model.max_len=N to generate further; the weights "
+           "do not depend on it, but a model is only trained for the lengths it saw")
     print(f"note: prompt(s) {rows} of {sampling.max_new_tokens} new tokens: they reached the "
-          f"model's max_len={max_len} (pass model.max_len=N to generate further; the weights "
-          "do not depend on it, but a model is only trained for the lengths it saw)",
-          file=sys.stderr)
+          f"model's max_len={max_len} ({how})", file=sys.stderr)
 
 
 def print_result(shown: Sequence[str], result, codec: Codec, out) -> None:

@@ -23,7 +23,6 @@ Wiring (``recipes/train.py``)::
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -72,7 +71,8 @@ def checkpoint_config(path: str | pathlib.Path, dtype: Any = "float32"
     raise InitFromError(f"init_from={str(path)!r} has no config.json. Pass a local "
                         "directory written by transformers' save_pretrained or by "
                         "python -m recipes.export --to hf.")
-  return layers.hf.config_from_hf(json.loads(config_file.read_text()), dtype=dtype,
+  return layers.hf.config_from_hf(layers.hf.read_json(config_file, f"init_from={str(path)!r}"),
+                                  dtype=dtype,
                                   where=str(config_file))[0]
 
 

@@ -14,6 +14,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
 import shutil
 
 import jax
@@ -498,7 +499,8 @@ def test_unsupported_architecture(tmp_path, model_type):
     ("llama", dict(rope_parameters=None, rope_scaling={"type": "dynamic", "factor": 2.0}),
      "rope_scaling.rope_type='dynamic'"),
     ("llama", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
-     r"rope_parameters.rope_type='llama3' lacks \['low_freq_factor', 'high_freq_factor'\]"),
+     r"rope_parameters.rope_type='llama3' lacks \['low_freq_factor', 'high_freq_factor', "
+     r"'original_max_position_embeddings'\]"),
     ("llama3", dict(rope_parameters={**json.loads((DATA / "llama3" / "config.json").read_text())
                                      ["rope_parameters"], "low_freq_factor": 4.0}),
      r"rope_parameters: rope_scaling: low_freq_factor=4.0 must be below high_freq_factor=4.0"),
@@ -573,3 +575,58 @@ def test_transformers_loads_to_hf_output(name, tmp_path):
   # other versions differ from them by float rounding, ~2e-6 here.)
   np.testing.assert_array_equal(logits_of(tmp_path), logits_of(DATA / name))
   np.testing.assert_allclose(logits_of(tmp_path), golden_logits, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dropped", ["rope_parameters", "rms_norm_eps"])
+def test_a_key_config_json_leaves_out_takes_the_familys_transformers_default(dropped,
+                                                                             tmp_path):
+  """Every family got Llama's defaults: a Mixtral config.json without its RoPE theta loaded
+  with 1e4 (MixtralConfig's default is 1e6), 0.785 off the golden logits, silently."""
+  directory = copy_of("mixtral", tmp_path)
+  config = json.loads((directory / "config.json").read_text())
+  assert config[dropped] and config.get("rms_norm_eps") == 1e-5
+  assert config.get("rope_theta", config.get("rope_parameters", {}).get("rope_theta")) == 1e6
+  del config[dropped]
+  config.pop("rope_theta", None)
+  (directory / "config.json").write_text(json.dumps(config))
+  weights, cfg = layers.from_hf(directory)
+  assert (cfg.rope_theta, cfg.norm_eps) == (1e6, 1e-5)
+  tokens, expected = golden("mixtral")
+  assert_logits_close(logits_of("linen", weights, cfg, tokens), expected)
+
+
+def test_mistral_without_a_sliding_window_key_gets_mistrals_window():
+  base = dict(model_type="mistral", vocab_size=8, hidden_size=8, intermediate_size=16,
+              num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=32768)
+  assert hf.config_from_hf(base)[0].max_len == 4096            # MistralConfig's default
+  assert hf.config_from_hf({**base, "sliding_window": None})[0].max_len == 32768
+  assert hf.config_from_hf({**base, "model_type": "llama"})[0].max_len == 32768
+
+
+def test_llama3_rope_without_its_original_length_is_an_error_not_max_len():
+  """It used max_position_embeddings (131072 for Llama 3.1, not 8192): other frequencies."""
+  config = json.loads((DATA / "llama3" / "config.json").read_text())
+  config["rope_parameters"].pop("original_max_position_embeddings")
+  config.pop("original_max_position_embeddings", None)
+  with pytest.raises(hf.HFError, match=re.escape(
+      "rope_parameters.rope_type='llama3' lacks ['original_max_position_embeddings']")):
+    hf.config_from_hf(config)
+
+
+def test_a_truncated_config_json_is_an_hf_error_naming_the_file(tmp_path):
+  directory = copy_of("llama", tmp_path)
+  text = (directory / "config.json").read_text()
+  (directory / "config.json").write_text(text[:len(text) // 2])
+  with pytest.raises(hf.HFError, match=r"config.json' is not valid JSON \(line \d+, column "
+                     r"\d+: .*\)\. A download or save_pretrained cut short leaves it "
+                     r"truncated: fetch or save the checkpoint again\."):
+    layers.from_hf(directory)
+
+
+def test_a_config_with_dropout_loads_with_a_warning_that_says_what_it_means():
+  config = json.loads((DATA / "llama" / "config.json").read_text())
+  with pytest.warns(UserWarning, match=re.escape(
+      "sets {'attention_dropout': 0.1}; layers has no dropout: the logits equal transformers' "
+      "eval mode (inference is exact), and a fine-tune from it trains without dropout.")):
+    cfg, _ = hf.config_from_hf({**config, "attention_dropout": 0.1})
+  assert cfg == hf.config_from_hf(config)[0]

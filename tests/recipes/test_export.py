@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from job_testlib import TINY
+from job_testlib import REPO, TINY
 
 import layers
 from layers import haiku as layers_hk
@@ -178,3 +178,34 @@ def test_to_hf_errors(trained, tmp_path, capsys):
   assert export.main(["--checkpoint", str(trained["out"]), "--to", "hf", "--architecture",
                       "qwen2", "--out", str(tmp_path / "hf")]) == 2
   assert "qkv_bias=False but architecture='qwen2'" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # a fine-tune, its export and two generations
+def test_a_fine_tune_exported_to_hf_keeps_its_base_models_tokens(tmp_path):
+  """The export dropped eos_token_id (generation from it never stopped early), the base
+  model's tokenizer files and its architecture (a Mistral fine-tune came out as Llama)."""
+  import shutil
+
+  from recipes import generate
+
+  base = tmp_path / "base"
+  shutil.copytree(REPO / "tests" / "layers" / "data" / "hf" / "mistral", base)
+  (base / "tokenizer.json").write_text('{"a stand-in": "copied byte for byte"}\n')
+  (base / "generation_config.json").write_text('{"eos_token_id": 2}\n')
+  source = json.loads((base / "config.json").read_text())
+  run = tmp_path / "run"
+  config = load_config(train.default_config_path(), [
+      f"init_from={base}", "steps=1", "batch_size=8", "microbatches=1", "seq_len=16",
+      "data.task=copy",
+      f"out_dir={run}", "plot=false", "mesh={data: 8}", "preset=data_parallel"])
+  train.train(config, progress=False, out=open("/dev/null", "w"))
+  out = tmp_path / "hf"
+  assert export.main(["--checkpoint", str(run), "--to", "hf", "--out", str(out)]) == 0
+  written = json.loads((out / "config.json").read_text())
+  assert written["model_type"] == source["model_type"] == "mistral"
+  for key in ("bos_token_id", "eos_token_id"):
+    assert written[key] == source[key], key
+  for name in ("tokenizer.json", "generation_config.json"):
+    assert (out / name).read_bytes() == (base / name).read_bytes()
+  # what python -m recipes.generate stops at, read from each directory
+  assert generate._eos_ids(out) == generate._eos_ids(base) == (source["eos_token_id"],)

@@ -206,6 +206,19 @@ def test_how_the_model_runs_can_change_and_max_len_lets_it_generate_further(line
   assert len(longer) == 6 and longer[:2] == short and "note:" not in err
 
 
+def test_a_hugging_face_checkpoint_at_its_max_len_says_to_shorten_the_prompt(capsys):
+  """The note said to pass model.max_len=N, which init_from then refuses (only a smaller
+  max_len may be set)."""
+  max_len = json.loads((HF_LLAMA / "config.json").read_text())["max_position_embeddings"]
+  rc, out, err = run_cli(capsys, ["init_from=" + str(HF_LLAMA), "--tokens",
+                                  " ".join(["4"] * (max_len - 2)), "--max-new-tokens", "6"])
+  assert rc == 0, err
+  assert len(continuations(out)[0]) == 2
+  assert (f"they reached the model's max_len={max_len} (the checkpoint's "
+          "max_position_embeddings: shorten the prompt to generate further)") in err
+  assert "model.max_len=N" not in err
+
+
 @pytest.mark.parametrize("argv, match", [
     (["--max-new-tokens", "0"], r"max_new_tokens=0 must be an int >= 1"),
     (["--top-k", "3"], r"top_k=3 / top_p=1.0 cut the distribution sampled from, but "
