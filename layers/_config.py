@@ -265,6 +265,16 @@ class TransformerConfig:
   attention_block: int = 512
   loss_chunk: int = 0
 
+  def __new__(cls, *args: Any, **kwargs: Any):
+    # dataclass's __init__ says only "unexpected keyword argument": name the field meant
+    fields = [f.name for f in dataclasses.fields(cls)]
+    if unknown := [k for k in kwargs if k not in fields]:
+      raise ConfigError(format_message(
+          f"TransformerConfig: {len(unknown)} unknown field(s).",
+          bullets=[f"{k!r}{did_you_mean(k, fields)}" for k in unknown],
+          fix=f"The fields are {', '.join(fields)}."))
+    return super().__new__(cls)
+
   def __post_init__(self):
     problems = _positive(self) + _relations(self)
     object.__setattr__(self, "rope_scaling", _rope_scaling(self.rope_scaling, problems))

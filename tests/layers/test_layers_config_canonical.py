@@ -1,8 +1,10 @@
 """TransformerConfig validation, layer argument errors, canonical weights round trips."""
 
+import dataclasses
 import doctest
 import importlib
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -185,3 +187,12 @@ def test_rope_scaling_is_validated_hashable_and_read_from_a_mapping():
     layers.TransformerConfig(rope_scaling={"factor": 2.0})
   with pytest.raises(layers.ConfigError, match=r"capacity_factor=0 must be a positive number"):
     layers.TransformerConfig(num_experts=2, capacity_factor=0)
+
+
+def test_a_misspelled_field_names_the_field_meant():
+  """It was Python's "__init__() got an unexpected keyword argument 'vocab_sise'"."""
+  with pytest.raises(layers.ConfigError, match=re.escape(
+      "TransformerConfig: 1 unknown field(s).\n  * 'vocab_sise' (did you mean 'vocab_size'?)")):
+    layers.TransformerConfig(vocab_sise=10)
+  cfg = layers.TransformerConfig(vocab_size=10)
+  assert dataclasses.replace(cfg, num_layers=3).num_layers == 3   # replace still works
