@@ -50,7 +50,7 @@ import numpy as np
 import partition
 from layers import _core, _model
 from layers._config import TransformerConfig
-from layers._params import check_tokens, spec_axes, transformer_params
+from layers._params import ParamSpec, check_tokens, spec_axes, transformer_params
 from partition import PartitionError
 from partition.internal import format_message
 
@@ -300,12 +300,12 @@ class Sampling:
   stop_tokens: tuple[int, ...] = ()
 
   def __post_init__(self):
-    # One int is one stop token, as a Hugging Face eos_token_id may be.
-    stops = self.stop_tokens
-    object.__setattr__(self, "stop_tokens",
-                       (stops,) if _is_int(stops) else tuple(stops) if isinstance(
-                           stops, (Sequence, np.ndarray)) and not isinstance(stops, str)
-                       else stops)
+    stops = self.stop_tokens   # one int is one stop token, as an HF eos_token_id may be
+    if _is_int(stops):
+      stops = (stops,)
+    elif isinstance(stops, (Sequence, np.ndarray)) and not isinstance(stops, str):
+      stops = tuple(stops)
+    object.__setattr__(self, "stop_tokens", stops)   # anything else: problems() names it
     problems = Sampling.problems(**{f.name: getattr(self, f.name)
                                     for f in dataclasses.fields(self)})
     if problems:
@@ -484,13 +484,19 @@ def _prompt_rows(prompts: Any, where: str) -> list[list[int]]:
   return rows
 
 
+@functools.lru_cache(maxsize=32)
+def _param_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+  """``{a/b/c path: shape}`` of the parameter tree :func:`generate` reads."""
+  return {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(s.shape) for k, s in
+          jax.tree_util.tree_flatten_with_path(
+              transformer_params(config), is_leaf=lambda s: isinstance(s, ParamSpec))[0]}
+
+
 def check_params(params: Params, config: TransformerConfig, where: str = "generate") -> None:
   """``params`` is the tree of ``config``'s model: the same arrays, of the same shapes (a
   ``num_layers`` or ``vocab_size`` that differs from the weights' would decode wrong or in
   JAX's words)."""
-  want = {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(s.shape) for k, s in
-          jax.tree_util.tree_flatten_with_path(
-              transformer_params(config), is_leaf=lambda s: hasattr(s, "init"))[0]}
+  want = _param_shapes(config)
   have = {re.sub(r"^blocks_(\d+)/", r"blocks/\1/", jax.tree_util.keystr(
       k, simple=True, separator="/")): tuple(np.shape(x))
           for k, x in jax.tree_util.tree_flatten_with_path(params)[0]}

@@ -570,8 +570,8 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
     architecture: a key of ``ARCHITECTURES``; default ``'qwen2'`` with ``qkv_bias``,
       ``'qwen3'`` with ``qk_norm``, ``'mixtral'`` with experts, else ``'llama'``.
     token_ids: ``config.json``'s special token ids to write (``bos_token_id``,
-      ``eos_token_id``, ``pad_token_id``; :func:`token_ids` reads them from a source
-      checkpoint): without ``eos_token_id``, generation from the export never stops early.
+      ``eos_token_id``, ``pad_token_id``; :func:`token_ids` picks them from a source
+      checkpoint's config): without ``eos_token_id``, generation from the export never stops early.
 
   Returns:
     The names of the files written. Arrays are gathered to the host one at a time.
@@ -632,10 +632,9 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 """The special token ids of ``config.json`` (the weights do not hold them)."""
 
 
-def token_ids(path: str | pathlib.Path) -> dict[str, Any]:
-  """The special token ids of the checkpoint at ``path`` (its ``config.json``), for
-  :func:`to_hf` to carry into an export of a model fine-tuned from it."""
-  hf = read_json(pathlib.Path(path) / "config.json", "token_ids")
+def token_ids(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """The special token ids of a checkpoint's ``config.json`` dict, for :func:`to_hf` to carry
+  into an export of a model fine-tuned from it."""
   return {k: hf[k] for k in TOKEN_ID_KEYS if hf.get(k) is not None}
 
 

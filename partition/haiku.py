@@ -133,8 +133,9 @@ def get_state(name: str, shape: Any = None, dtype: Any = jnp.float32, init: Any 
     _note(_STATE, context, jnp.shape(value), axes)
     return next_getter(value)
 
-  with hk.custom_creator(creator, params=False, state=True), \
-      hk.custom_getter(getter, params=False, state=True):
+  with hk.custom_creator(creator, params=False, state=True), (
+      hk.custom_getter(getter, params=False, state=True) if shape is None
+      else contextlib.nullcontext()):
     value = hk.get_state(name, shape, dtype, init)
   return _constrain_var(value, axes, _full_name(name), api) if _active() else value
 

@@ -419,26 +419,25 @@ def check_mesh_size(config, devices: int | None) -> None:
         f"mesh={config.mesh} does not use the {devices} devices of --devices {devices} "
         f"(its sizes multiply to {fixed}{' and -1 cannot fill the rest' if fills else ''}). "
         f"Give one axis -1 to fill them, e.g. "
-        f"{fitting_mesh(config.mesh, devices, lambda mesh: _run_problem(config, mesh))}, or "
+        f"{fitting_mesh(config.mesh, devices, _run_problem(config))}, or "
         f"sizes whose product is {devices}.")
 
 
-def _run_problem(config, mesh: dict[str, int]) -> str | None:
-  """What ``recipes.train`` would refuse about ``config`` on a mesh of these sizes (None:
+def _run_problem(config):
+  """``sizes -> what recipes.train would refuse about config on a mesh of these sizes`` (None:
   nothing). Axes the rules name but the mesh lacks count as size 1: a missing axis is its
   own error, whatever the sizes."""
   import jax
 
   from recipes import train
-  from recipes.config import TrainConfigError
   rules = train.make_rules(config)
-  mesh = {**mesh, **{a: 1 for a in rules.mesh_axes if a not in mesh}}
-  try:
-    train.check_run(dataclasses.replace(config, mesh=mesh), rules,
-                    jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)))
-  except TrainConfigError as e:
-    return "; ".join(line[4:] for line in str(e).splitlines() if line.startswith("  * "))
-  return None
+
+  def problem(mesh: dict[str, int]) -> str | None:
+    mesh = {**mesh, **{a: 1 for a in rules.mesh_axes if a not in mesh}}
+    found = train.run_problems(dataclasses.replace(config, mesh=mesh), rules,
+                               jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh)))
+    return "; ".join(found) or None
+  return problem
 
 
 def fitting_mesh(mesh: dict[str, int], devices: int, problem=lambda sizes: None) -> str:

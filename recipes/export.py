@@ -149,14 +149,13 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
                      for k, v in sorted(canonical.items())}}
   if to == "hf":   # safetensors stores bfloat16 as is
     source = _fine_tuned_from(meta)
+    base = layers.hf.read_json(source / "config.json", "recipes.export") if source else {}
     if source is not None:
       doc["source"] = str(source)
-      source_type = layers.hf.read_json(source / "config.json", "recipes.export").get(
-          "model_type")
-      architecture = architecture or (
-          source_type if source_type in layers.hf.ARCHITECTURES else None)
+      if architecture is None and base.get("model_type") in layers.hf.ARCHITECTURES:
+        architecture = base["model_type"]
     doc["files"] = layers.to_hf(canonical, model_config(meta), out, architecture=architecture,
-                                token_ids=layers.hf.token_ids(source) if source else None)
+                                token_ids=layers.hf.token_ids(base))
     doc["files"] += _copy_tokenizer(source, out) if source else []
     return doc
   buffer = io.BytesIO()

@@ -210,6 +210,14 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
   Raises:
     TrainConfigError: naming the key and the fix.
   """
+  if problems := run_problems(config, rules, mesh):
+    raise TrainConfigError(format_message(
+        f"config: {len(problems)} problem(s) with this preset, mesh and batch.",
+        bullets=problems))
+
+
+def run_problems(config: TrainConfig, rules, mesh) -> list[str]:
+  """:func:`check_run`'s problems, one line each (``[]``: the run may start)."""
   problems = []
   wanted = list(rules.mesh_axes)
   missing = [a for a in wanted if a not in mesh.shape]
@@ -245,10 +253,7 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
           f"batch_size={config.batch_size} does not divide into {shards} device shard(s) "
           f"(mesh axes {axes or '()'}) x {k} micro-batch(es): use a multiple of {multiple}, "
           f"e.g. batch_size={max(multiple, config.batch_size // multiple * multiple)}")
-  if problems:
-    raise TrainConfigError(format_message(
-        f"config: {len(problems)} problem(s) with this preset, mesh and batch.",
-        bullets=problems))
+  return problems
 
 
 def _batch_mesh_axes(rules, config: TrainConfig, mesh) -> tuple[str, ...]:

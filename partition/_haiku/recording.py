@@ -89,8 +89,12 @@ def _explicit_init() -> bool:
   mesh = current_rules_mesh()
   # hk.running_init() is False in the apply that hk.layer_stack runs inside its init, hence
   # also the flag set while this module traces an init.
-  initializing = hk.running_init() or getattr(_LOCAL, "placing", 0) > 0
+  initializing = hk.running_init() or _is_placing()
   return mesh is not None and bool(explicit_axes(mesh)) and initializing
+
+
+def _is_placing() -> bool:
+  return getattr(_LOCAL, "placing", 0) > 0
 
 
 @contextlib.contextmanager
@@ -119,7 +123,7 @@ def _constrain_var(value: jax.Array, axes: Axes, name: str, api: str) -> jax.Arr
   if len(axes) > ndim:
     axes = axes[len(axes) - ndim:]
   return constrain_as(value, tuple(axes) + (None,) * (ndim - len(axes)), name=name, api=api,
-                      stacklevel=4, warn=getattr(_LOCAL, "placing", 0) == 0)
+                      stacklevel=4, warn=not _is_placing())
 
 
 def _full_name(name: str) -> str:
