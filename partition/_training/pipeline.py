@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -51,7 +52,9 @@ from jax.sharding import PartitionSpec
 
 from partition._base import mesh as _mesh
 from partition._base.errors import PartitionError, did_you_mean, format_message, fun_name
+from partition._base.mesh import entry_mesh_axes, to_spec_entry
 from partition._rules.context import axis_rules, current_rules, current_rules_mesh
+from partition._training.reduce_once import placeholder_rules
 
 
 class PipelineError(PartitionError, ValueError):
@@ -167,7 +170,8 @@ class PipelineShape:
 def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int | None = None,
              repeats: int = 1, stage_axis: str | None = None, consts: Sequence[Any] = (),
              mesh: jax.sharding.Mesh | None = None, rules: Any = None,
-             remat_policy: Callable | str | None = None, layers_axis: str = "layers") -> Any:
+             remat_policy: Callable | str | None = None, layers_axis: str = "layers",
+             batch_axis: str = "batch") -> Any:
   """Applies a stack of layers as a pipeline over the ``stage`` mesh axis.
 
   Computes what ``lax.scan(lambda h, p: (layer_fn(p, h, *consts), None), x, params)[0]``
@@ -196,6 +200,10 @@ def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int | Non
     remat_policy: ``None`` (no rematerialisation), a ``jax.checkpoint_policies`` policy or
       its name (``'nothing_saveable'``): each layer is wrapped in ``jax.checkpoint``.
     layers_axis: the logical name of the stacked axis in the rules.
+    batch_axis: the logical name of ``x``'s leading dim in the rules. The mesh axes it maps
+      to that no other logical axis uses (so no parameter is sharded over them: ``data``,
+      not ``fsdp``) run manual too, each device pipelining its own rows; the gradients of
+      ``params`` are then summed over them once per step, not once per iteration.
 
   Returns:
     ``layer_fn`` applied ``L`` times, shaped like ``x``.
@@ -204,19 +212,22 @@ def pipeline(layer_fn: Callable, params: Any, x: Any, *, microbatches: int | Non
     StageAxisError: the stage axis is not in the mesh, the rules map ``layers_axis`` to
       several mesh axes, or another logical axis uses the stage axis too.
     LayerCountError: ``L`` is not divisible by ``stages x repeats`` (or leaves disagree on L).
-    MicrobatchError: ``microbatches < stages``, or the batch is not divisible by it.
+    MicrobatchError: ``microbatches < stages``, the batch is not divisible by it, or a
+      micro-batch's rows do not split over the mesh axes the rules give ``batch_axis``.
   """
   plan, mesh = _plan(layer_fn, params, x, microbatches, repeats, stage_axis, mesh, rules,
                      layers_axis)
   layer = _with_remat(layer_fn, remat_policy)
   if plan.stage_axis is None:
     return _apply_stack(layer, params, x, tuple(consts))
+  rows = _row_axes(plan, x, current_rules(rules), mesh, batch_axis, layers_axis,
+                   f"partition.pipeline({fun_name(layer_fn)})")
   micro = jax.tree.map(lambda a: _split_micro(a, plan.microbatches), x)
-  body = _stage_program(layer, plan)
-  run = jax.shard_map(body, mesh=mesh, axis_names={plan.stage_axis},
-                      in_specs=(PartitionSpec(plan.stage_axis), PartitionSpec(),
-                                PartitionSpec()),
-                      out_specs=PartitionSpec())
+  body = _stage_program(layer, plan, rows)
+  row_spec = PartitionSpec(None, to_spec_entry(rows))
+  run = jax.shard_map(body, mesh=mesh, axis_names={plan.stage_axis, *rows},
+                      in_specs=(PartitionSpec(plan.stage_axis), row_spec, PartitionSpec()),
+                      out_specs=row_spec)
   out = run(params, micro, tuple(consts))
   return jax.tree.map(_join_micro, out)
 
@@ -244,15 +255,23 @@ def stage_axis(rules: Any = None, mesh: jax.sharding.Mesh | None = None,
 # -- the schedule ---------------------------------------------------------------------------
 
 
-def _stage_program(layer: Callable, plan: PipelineShape) -> Callable:
-  """The per-stage program (inside ``shard_map``, manual over the stage axis)."""
+def _stage_program(layer: Callable, plan: PipelineShape, rows: tuple[str, ...]) -> Callable:
+  """The per-stage program (inside ``shard_map``, manual over the stage axis and the
+  ``rows`` axes of the batch)."""
   p, r, m, stage = plan.stages, plan.repeats, plan.microbatches, plan.stage_axis
   shift = [(i, (i + 1) % p) for i in range(p)]
 
   def body(local_params, micro, consts):
+    if rows:
+      # Each device differentiates its own rows: marking the parameters varying over the
+      # row axes here, before the loop, puts the transpose (the sum of the devices'
+      # gradients) here too, once; left to JAX, the cast happens at each use, in the loop,
+      # and so does one all-reduce per iteration.
+      local_params, consts = jax.tree.map(lambda a: lax.pcast(a, rows, to="varying"),
+                                          (local_params, consts))
     # Activation constraints in the layers (partition.constrain, flax's logical constraints)
-    # must name the mesh as seen inside shard_map: the stage axis is Manual here.
-    with _inner_mesh_context():
+    # must name the mesh as seen inside shard_map: the stage and row axes are Manual here.
+    with _inner_mesh_context(rows):
       return schedule(local_params, micro, consts)
 
   def schedule(local_params, micro, consts):
@@ -289,10 +308,13 @@ def _stage_program(layer: Callable, plan: PipelineShape) -> Callable:
   return body
 
 
-def _inner_mesh_context():
-  if current_rules() is None or current_rules_mesh() is None:
+def _inner_mesh_context(rows: tuple[str, ...]):
+  rules = current_rules()
+  if rules is None or current_rules_mesh() is None:
     return contextlib.nullcontext()
-  return axis_rules(None, mesh=jax.sharding.get_abstract_mesh())
+  # The row axes are renamed away: inside, each device holds its rows whole.
+  return axis_rules(placeholder_rules(rules, rows) if rows else None,
+                    mesh=jax.sharding.get_abstract_mesh())
 
 
 def _write_slot(buf: jax.Array, value: jax.Array, slot: jax.Array, keep: jax.Array):
@@ -536,3 +558,39 @@ def _check_counts(plan: PipelineShape, x, api: str) -> None:
         context=context,
         fix=f"Use a batch divisible by {m}, or microbatches in "
             f"{[q for q in range(p, batch + 1) if batch % q == 0] or '(none)'}."))
+
+
+def _row_axes(plan: PipelineShape, x, rules, mesh, batch_axis: str, layers_axis: str,
+              api: str) -> tuple[str, ...]:
+  """The mesh axes the stages run manual over besides the stage axis: those the rules give
+  ``batch_axis`` that no other logical axis uses (a parameter may be sharded over those,
+  e.g. ``fsdp``, and stays automatic). Checks that a micro-batch's rows split over all the
+  batch's mesh axes, so that rows never leave their devices."""
+  if rules is None or mesh is None:
+    return ()
+  sizes = dict(mesh.shape)
+  batch = [a for a in entry_mesh_axes(_first(rules.spec((batch_axis,), None, mesh)))
+           if a != plan.stage_axis and sizes[a] > 1]
+  if not batch:
+    return ()
+  shards = math.prod(sizes[a] for a in batch)
+  rows = jax.tree.leaves(x)[0].shape[0] // plan.microbatches
+  if rows % shards:
+    per_device = jax.tree.leaves(x)[0].shape[0] // shards
+    fits = [q for q in range(plan.stages, per_device + 1) if per_device % q == 0]
+    raise MicrobatchError(format_message(
+        f"{api}: a micro-batch of {rows} rows does not split over the {shards} devices of "
+        f"the batch's mesh axes {tuple(batch)} ({batch_axis!r} in the rules), so rows would "
+        "leave their devices every iteration.",
+        context=[f"stage axis {plan.stage_axis!r}: {plan.stages} stages, microbatches="
+                 f"{plan.microbatches}; {per_device} rows per device"],
+        fix=f"Use microbatches in {fits or '(none)'} (dividing the {per_device} rows per "
+            f"device, at least {plan.stages}), or a batch of {plan.microbatches * shards} x N "
+            "rows."))
+  shared = {a for name, value in rules.pairs if name not in (batch_axis, layers_axis)
+            for a in (value or ()) if isinstance(a, str)}
+  return tuple(a for a in batch if a not in shared)
+
+
+def _first(spec: PartitionSpec):
+  return spec[0] if len(spec) else None

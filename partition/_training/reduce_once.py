@@ -66,7 +66,7 @@ def reduce_once_step(loss_fn: Callable, has_aux: bool, params: Any, batch: Any,
     return constrain(jnp.moveaxis(x, dim + 2, 0), spec)
 
   micro = jax.tree.map(split, batch, dims, batch_axes, is_leaf=lambda x: x is None)
-  inner = _placeholder_rules(rules, mesh_axes)
+  inner = placeholder_rules(rules, mesh_axes)
 
   def shard_loss(params, shard_batch, *shard_rest):
     with axis_rules(inner, mesh):
@@ -148,7 +148,7 @@ def _without(spec: PartitionSpec | None, axes: Sequence[str], ndim: int) -> list
   return out
 
 
-def _placeholder_rules(rules: AxisRules, axes: Sequence[str]) -> AxisRules:
+def placeholder_rules(rules: AxisRules, axes: Sequence[str]) -> AxisRules:
   """``rules`` with the mesh ``axes`` renamed to placeholders the mesh lacks."""
   def rename(value):
     if value is None or isinstance(value, str):

@@ -287,6 +287,70 @@ def test_plan_and_bubble():
   assert "bubble=0.158" in repr(plan)
 
 
+# -- rows on their devices ------------------------------------------------------------------
+
+ROW_RULES = partition.AxisRules([("layers", "stage"), ("batch", "data")])
+
+
+@functools.cache
+def rules_value_and_grad(mesh, microbatches, rules=ROW_RULES):
+  def loss(params, x):
+    with partition.axis_rules(rules, mesh=mesh):
+      y = partition.pipeline(layer, params, x, microbatches=microbatches)
+    return jnp.mean(y ** 2)
+  return jax.jit(jax.value_and_grad(loss))
+
+
+@pytest.mark.parametrize("stages,microbatches,axis_type", [
+    (4, 4, AxisType.Auto), (4, 8, AxisType.Auto), (2, 4, AxisType.Explicit)])
+def test_batch_axis_rows_stay_and_gradients_reduce_over_data_once(stages, microbatches,
+                                                                  axis_type):
+  # With ('batch', 'data') each device pipelines its own rows, so the stage's weight
+  # gradients are summed over 'data' once per step: the bytes of one all-reduce of the
+  # stage's parameters, whatever the number of iterations (before: once per iteration).
+  num_layers = 8
+  params, x = stack(num_layers), batch()
+  _, want_loss, want_grads = sequential_reference(num_layers)
+  data = 8 // stages
+  mesh = make_mesh((stages, data), ("stage", "data"), axis_type)
+  step = rules_value_and_grad(mesh, microbatches)
+  with jax.set_mesh(mesh):
+    placed = place(mesh, params, x, "data")
+    loss, grads = step(*placed)
+    compiled = step.lower(*placed).compile()
+  np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
+  assert_tree_close(grads, want_grads)
+  stats = partition.collective_stats(compiled, mesh)
+  stage_bytes = sum(a.nbytes for a in jax.tree.leaves(params)) / stages
+  once = 2 * stage_bytes * (data - 1) / data
+  loss_bytes = 2 * 4 * (data - 1) / data  # the mean's scalar
+  assert stats.bytes("all-reduce", ("data",)) == pytest.approx(once + loss_bytes)
+  for kind in ("all-gather", "all-to-all", "reduce-scatter"):
+    assert stats.bytes(kind, ("data",)) == 0, (kind, stats.as_dict())
+
+
+def test_batch_axis_shared_with_a_parameter_axis_stays_automatic():
+  # ('embed', 'data') may shard a weight over 'data' (FSDP): that axis is not made manual
+  # (the layer would see a weight shard) and the result is still the sequential stack's.
+  rules = partition.AxisRules([("layers", "stage"), ("batch", "data"), ("embed", "data")])
+  params, x = stack(8), batch()
+  _, want_loss, want_grads = sequential_reference(8)
+  mesh = make_mesh((4, 2), ("stage", "data"), AxisType.Auto)
+  with jax.set_mesh(mesh):
+    loss, grads = rules_value_and_grad(mesh, 4, rules)(*place(mesh, params, x, "fsdp"))
+  np.testing.assert_allclose(float(loss), want_loss, rtol=RTOL)
+  assert_tree_close(grads, want_grads)
+
+
+def test_error_micro_batch_rows_do_not_split_over_the_batch_axes():
+  mesh = make_mesh((4, 2), ("stage", "data"), AxisType.Auto)
+  with pytest.raises(MicrobatchError, match=r"a micro-batch of 1 rows does not split over the "
+                     r"2 devices of the batch's mesh axes \('data',\) \('batch' in the rules\)"
+                     r"(.|\n)*2 rows per device(.|\n)*or a batch of 8 x N rows"):
+    with partition.axis_rules(ROW_RULES, mesh=mesh):
+      partition.pipeline(layer, stack(8), batch(4), microbatches=4)
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
