@@ -51,6 +51,7 @@ from partition._base.resources import named_loops
 from partition._rules.context import current_rules
 from partition._rules.scope import rules_mesh
 from partition._xmap import placement as _placement
+from partition._xmap.collectives import check_no_joint_ppermute
 from partition._xmap.layout import (
   MapLayout,
   build_layout,
@@ -61,7 +62,12 @@ from partition._xmap.layout import (
 )
 from partition._xmap.messages import explicit_closure_error, in_xmap_terms
 from partition._xmap.nesting import check_not_shadowing, enclosing, tracing
-from partition._xmap.program import BodyTracer, merge_outputs, split_inputs
+from partition._xmap.program import (
+  BodyTracer,
+  merge_outputs,
+  per_example_structs,
+  split_inputs,
+)
 from partition._xmap.specs import (
   AxisSpec,
   Logical,
@@ -276,6 +282,9 @@ class XMapped:
                 for x, s, st, t in zip(leaves, specs, inputs.stated, typed)]
     split, labels = split_inputs(layout, leaves, specs)
     with in_xmap_terms(layout, name, self._in_names), tracing(layout):
+      check_no_joint_ppermute(
+          lambda *xs: self._fun(*jax.tree_util.tree_unflatten(in_treedef, list(xs))),
+          per_example_structs(split, labels), _bound_axes(layout), name)
       outs = tracer.run(0, split, labels)
     outs = merge_outputs(tracer, outs)
     out_specs = [_placement.full_spec(layout, placed(s), x.ndim, st)
@@ -349,6 +358,23 @@ def _with_explicit_axes_auto(mesh, explicit: list[str], trace: Callable, leaves,
 
 _SHARED_CACHES: collections.OrderedDict[Any, dict] = collections.OrderedDict()
 _SHARED_CACHE_SIZE = 256
+
+
+def _bound_axes(layout: MapLayout) -> list[tuple[str, int]]:
+  """The named axes a collective in the body can name, with their sizes: this xmap's
+  vectorised axes and the enclosing ones still bound under their names (loop axes are
+  bound under private names)."""
+  own = [(level.bound_name, level.size) for level in layout.levels
+         if level.kind == "vmap" and level.labels[0][1] == "all"]
+  outer = []
+  for axis in enclosing.axes:
+    if axis in layout.axes:
+      continue
+    try:
+      outer.append((axis, jax.lax.axis_size(axis)))
+    except NameError:
+      pass
+  return outer + own
 
 
 def _shared_cache(key) -> dict:

@@ -255,9 +255,7 @@ class BodyTracer:
 
   def _trace_shapes(self, args, labels):
     """Traces the user function once on per-example shapes (for the loop carries)."""
-    structs = [jax.ShapeDtypeStruct(tuple(d for d, lab in zip(jnp.shape(a), ls) if lab[0] is None),
-                                    jnp.result_type(a)) for a, ls in zip(args, labels)]
-    jax.eval_shape(lambda *xs: self.call_fun(xs), *structs)
+    jax.eval_shape(lambda *xs: self.call_fun(xs), *per_example_structs(args, labels))
 
   def _varies_error(self, level, j):
     axis = level.labels[0][0]
@@ -268,6 +266,12 @@ class BodyTracer:
         f"{spec!r} does not place it.",
         fix=f"Add {axis!r} to that output's out_axes (e.g. [{axis!r}, ...]), or reduce over "
             f"it with partition.Sum({axis!r}) / partition.Mean({axis!r})."))
+
+
+def per_example_structs(args, labels) -> list[jax.ShapeDtypeStruct]:
+  """What the user function sees of each input: its positional dims only."""
+  return [jax.ShapeDtypeStruct(tuple(d for d, lab in zip(jnp.shape(a), ls) if lab[0] is None),
+                               jnp.result_type(a)) for a, ls in zip(args, labels)]
 
 
 def split_inputs(layout: MapLayout, leaves, specs) -> tuple[list[Any], list[tuple[Label, ...]]]:

@@ -9,6 +9,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 from jax.sharding import AxisType
@@ -525,6 +526,27 @@ def test_ppermute_over_several_axes():
   with _raises(ValueError, r"ppermute over several named axes at once(?s:.*)once per axis") as e:
     f(jnp.ones((2, 2)))
   _check_type(e, ValueError)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_ppermute_over_several_axes_whose_perm_fits_one_axis(nested):
+  # A permutation as long as one axis passes JAX's vmap rule, which then permutes along
+  # that axis alone (plain nested jax.vmap gives [[2, 3], [0, 1]]): silently wrong, so
+  # xmap looks for it, also across nested xmaps and inside a scan.
+  swap = [(0, 1), (1, 0)]
+
+  def body(v):
+    return lax.scan(lambda c, _: (lax.ppermute(c, ("i", "j"), perm=swap), None), v, None,
+                    length=1)[0]
+  if nested:
+    f = xmap(lambda a: xmap(body, ["j", ...], ["j", ...])(a), ["i", ...], ["i", ...])
+  else:
+    f = xmap(body, ["i", "j", ...], ["i", "j", ...])
+  with _raises(ValueError, r"ppermute over several named axes at once, axis_name=\('i', 'j'\)"
+               r"(?s:.*)the result would be wrong(?s:.*)once per axis"):
+    f(jnp.arange(4.0).reshape(2, 2))
+  one_axis = xmap(lambda v: lax.ppermute(v, "i", perm=swap), ["i", "j", ...], ["i", "j", ...])
+  np.testing.assert_array_equal(one_axis(jnp.arange(4.0).reshape(2, 2)), [[2, 3], [0, 1]])
 
 
 def test_auto_mesh_argument_inside_explicit_set_mesh():
