@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from jax.sharding import PartitionSpec
 
 from partition._base.extras import needs_extra
 
@@ -37,7 +38,7 @@ with needs_extra("flax", by="partition.flax"):
 from partition._base.deprecations import deprecated_getattr
 from partition._base.errors import did_you_mean, format_message
 from partition._base.logical_axes import LogicalAxesError
-from partition._base.mesh import AnyMesh
+from partition._base.mesh import AnyMesh, explicit_axes
 from partition._params import adapt as _adapt
 from partition._params.path_rules import PathRules
 from partition._rules.constrain import constrain
@@ -73,7 +74,7 @@ def _abstract(api: str, module: nn.Module, rngs: Any, args: tuple, init_kwargs: 
               rules, mesh, param_axes) -> tuple[Any, Any, Any]:
   _check_module(module, api)
   _adapt.check_rngs(rngs, api)
-  init = functools.partial(module.init, **init_kwargs)
+  init = _context_axes_auto(functools.partial(module.init, **init_kwargs), PartitionSpec())
   with _adapt.axis_rules(rules, mesh):
     shapes = jax.eval_shape(init, rngs, *args)
   axes, path_match = _adapt.match_axes(shapes, param_axes)
@@ -132,8 +133,24 @@ def init_sharded(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,
                                        param_axes)
   shardings = _adapt.place(shapes, axes, rules, mesh, strict=strict, api=api,
                            path_match=path_match)
-  init = functools.partial(module.init, **init_kwargs)
+  init = _context_axes_auto(functools.partial(module.init, **init_kwargs), shardings)
   return _adapt.jit_init(init, shardings, rules, mesh, rngs, *args)
+
+
+def _context_axes_auto(init: Any, out_sharding: Any) -> Any:
+  """``init`` traced with the context mesh's Explicit axes made Auto.
+
+  Linen's boxes (``nn.with_logical_partitioning``) and ``nn.with_logical_constraint`` call
+  ``with_sharding_constraint``, which on Explicit axes is an assertion, not a placement;
+  init needs no constraint (``out_shardings`` place every variable), so under
+  ``jax.set_mesh`` of an Explicit mesh it runs in ``jax.sharding.auto_axes`` and hands
+  its outputs back with Explicit types.
+  """
+  context = jax.sharding.get_abstract_mesh()
+  explicit = tuple(a for a in context.axis_names if a in explicit_axes(context))
+  if not explicit:
+    return init
+  return jax.sharding.auto_axes(init, axes=explicit, out_sharding=out_sharding)
 
 
 def explain(module: nn.Module, rngs: Any, *args: Any, rules: Any = None,

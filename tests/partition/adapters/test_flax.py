@@ -57,6 +57,25 @@ def test_init_sharded_matches_flax_logical_to_mesh_sharding(shape, axis_type):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
+@pytest.mark.parametrize("sharded_input", [False, True])
+def test_init_sharded_under_set_mesh_with_explicit_axes(sharded_input):
+  # flax's boxes and nn.with_logical_constraint call with_sharding_constraint, which asserts
+  # on Explicit axes: init must still place every variable as it does on Auto axes.
+  x = jnp.ones((8, 8))
+  if sharded_input:
+    x = jax.device_put(x, NamedSharding(MESH, P("fsdp")))
+  ref = partition.flax.init_sharded(Block(), jax.random.key(0), jnp.ones((8, 8)),
+                                    rules=RULES, mesh=AUTO_MESH)
+  with jax.set_mesh(MESH):
+    variables = partition.flax.init_sharded(Block(), jax.random.key(0), x, rules=RULES)
+    abstract = partition.flax.abstract_init(Block(), jax.random.key(0), x, rules=RULES)
+  for got, want, shape in zip(jax.tree.leaves(variables), jax.tree.leaves(ref),
+                              jax.tree.leaves(abstract)):
+    assert got.sharding.spec == want.sharding.spec == shape.sharding.spec
+    assert got.sharding.mesh.axis_types == (AxisType.Explicit,) * 2
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+
+
 def test_boxes_are_kept_and_apply_works():
   mesh = AUTO_MESH  # Explicit axes would need out_sharding= on matmuls
   x = jnp.ones((8, 8))
