@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -55,6 +56,7 @@ from partition._base.errors import AxisSizeError, PartitionError, SpecError, for
 from partition._base.resources import SerialLoop
 from partition._params.optim import resolve_param_axes
 from partition._rules.context import axis_rules, current_rules, current_rules_mesh
+from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
 from partition._rules.table import AxisRules, is_axes_leaf
 from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap.api import xmap
@@ -146,6 +148,7 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
 
   def step(params, batch, *rest):
     args = (params, batch, *rest)
+    settings.warn_batch_fallbacks(batch)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
       return settings.step(*args)
     params, batch = settings.place(params, batch)
@@ -173,6 +176,8 @@ class _Settings:
   batch_axis: str | None
   rng_argnums: tuple[int, ...]
   grad_reduction: str = "auto"
+  # (rules, mesh, batch structure and shapes) already checked by warn_batch_fallbacks
+  _warned: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
   @property
   def rng_positions(self) -> list[int]:
@@ -183,6 +188,25 @@ class _Settings:
     rules = current_rules(self.rules)
     mesh = current_rules_mesh(self.mesh) if rules is not None else _mesh.current_mesh(self.mesh)
     return rules, mesh
+
+  def warn_batch_fallbacks(self, batch) -> None:
+    """One ``PartitionWarning`` per batch dim the rules leave replicated for want of a rule
+    (a misspelt name) or a divisor: each device would then run the whole batch. Checked once
+    per rules, mesh and batch shapes; the warning points at the caller of the step."""
+    rules, mesh = self.context()
+    if rules is None or mesh is None:
+      return
+    leaves = jax.tree_util.tree_leaves_with_path(batch)
+    key = (rules, mesh, jax.tree_util.tree_structure(batch),
+           tuple(np.shape(x) for _, x in leaves))
+    if key in self._warned:
+      return
+    split = _MicrobatchSplit.build(self, batch, rules, mesh)
+    axes = jax.tree_util.tree_leaves(split.axes, is_leaf=is_axes_leaf)
+    warn_fallbacks("partition.value_and_grad", [
+        (f"batch{jax.tree_util.keystr(path)}", rules.resolve(a, np.shape(x), mesh))
+        for (path, x), a in zip(leaves, axes)], rules, stacklevel=3)
+    self._warned.add(key)
 
   def place(self, params, batch):
     """Commits uncommitted concrete inputs to their shardings before the jitted step (the
@@ -478,7 +502,9 @@ def _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh):
   whose mesh axes and loops do not divide the batch falls back to the next one)."""
   if rules is None:
     return (), ()
-  resources = rules.xmap_resources([name], mesh=mesh, sizes={name: size}).get(name, ())
+  with warnings.catch_warnings():  # warn_batch_fallbacks says it in the batch's terms
+    warnings.simplefilter("ignore", PartitionWarning)
+    resources = rules.xmap_resources([name], mesh=mesh, sizes={name: size}).get(name, ())
   loops = tuple(r.length for r in resources if isinstance(r, SerialLoop))
   if mesh is None or not leaves:
     return (), loops

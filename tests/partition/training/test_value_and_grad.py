@@ -311,6 +311,37 @@ def test_errors_name_the_leaf_and_the_fix():
     partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, rng_argnums=1)
 
 
+def test_batch_fallbacks_warn_once_naming_the_leaf():
+  # A misspelt batch name or a batch no rule divides replicates the batch on every device:
+  # value_and_grad says so itself (not as an "xmap axis"), once per cause, at the caller.
+  import warnings
+  mesh, rules = _mesh(), partition.AxisRules(TABLES["fsdp"])
+  params, batch = _problem(rows=6)
+  loss = lambda p, b: jnp.mean((jnp.tanh(b["x"] @ p["w1"] + p["b1"]) @ p["w2"] - b["y"]) ** 2)
+  typo = {"x": ("bacth", "embed"), "y": ("bacth", "embed")}
+  cases = [(typo, batch, r"value_and_grad: logical axis 'bacth' has no rule \(did you mean "
+                         r"'batch'\?\), so batch\['x'\] dim 0 is replicated \(and 1 more"),
+           (BATCH_AXES, batch, r"value_and_grad: batch\['x'\] dim 0 'batch' \(size 6\) is "
+                               r"replicated: no rule for it divides the dim")]
+  for axes, data, message in cases:
+    step = partition.value_and_grad(loss, batch_axes=axes, rules=rules, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      got = step(params, data)
+      step(params, data)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 1 and re.search(message, texts[0]), texts
+    assert caught[0].category is partition.PartitionWarning
+    assert caught[0].filename == __file__
+    _assert_close(got, jax.value_and_grad(loss)(params, data))
+  # Stated in the rules (a null rule): intended, silent.
+  quiet = partition.AxisRules([("bacth", None)] + TABLES["fsdp"])
+  step = partition.value_and_grad(loss, batch_axes=typo, rules=quiet, mesh=mesh)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    step(params, batch)
+
+
 def test_without_rules_or_mesh_it_is_plain_accumulation():
   params, batch = _problem()
   step = partition.value_and_grad(mlp_loss, batch_axes=BATCH_AXES, microbatches=4)
