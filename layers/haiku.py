@@ -21,6 +21,11 @@ of ``layers/_params.py``) and call the framework-free math (``layers._core``; th
 
 from __future__ import annotations
 
+import contextlib
+import re
+import threading
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -51,18 +56,67 @@ from layers._params import (
 )
 
 Array = jax.Array
+_LOCAL = threading.local()   # the warnings of the outermost _declare in progress
+_WARNING_REGISTRY: dict = {}
 
 
 def _param(name: str, spec: ParamSpec, dtype: Any) -> Array:
   init = lambda shape, dt: spec.init(hk.next_rng_key(), shape, dt)
-  return partition.haiku.get_parameter(name, spec.shape, dtype, init, axes=spec.axes)
+  module = hk.experimental.current_name()
+  where = f"{module}/{name}" if module and module != "~" else f"~/{name}"
+  with _one_warning_per_cause(), warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    value = partition.haiku.get_parameter(name, spec.shape, dtype, init, axes=spec.axes)
+    _LOCAL.caught.extend((where, w) for w in caught)
+  return value
 
 
 def _declare(specs: dict[str, Any], dtype: Any) -> dict[str, Any]:
   """Creates ``specs`` (a nested dict of ``ParamSpec``) in the current module, sub-dicts as
-  child modules; returns the same nesting of arrays."""
-  return {name: _param(name, s, dtype) if isinstance(s, ParamSpec)
-          else _Scope(s, dtype, name=name)() for name, s in specs.items()}
+  child modules; returns the same nesting of arrays. The parameters' warnings come out once
+  per cause (:func:`_one_warning_per_cause`)."""
+  with _one_warning_per_cause():
+    return {name: _param(name, s, dtype) if isinstance(s, ParamSpec)
+            else _Scope(s, dtype, name=name)() for name, s in specs.items()}
+
+
+@contextlib.contextmanager
+def _one_warning_per_cause() -> Iterator[None]:
+  """Collects the warnings of the parameters declared inside (nested ``_declare`` calls
+  included) and re-issues one per distinct cause when the outermost one ends.
+
+  ``partition.haiku.get_parameter`` names the parameter in its warning (``... logical axis
+  'layers' has no rule, so transformer/blocks/mlp/wo/kernel dim 0 is replicated``), so
+  Python's once-per-message filter would let every parameter of a model through. Two
+  warnings have the same cause when their texts agree once the parameter's path and dim are
+  taken out; the first is re-issued, counting the others, as ``init_sharded`` does.
+  """
+  if getattr(_LOCAL, "caught", None) is not None:   # an enclosing _declare collects
+    yield
+    return
+  _LOCAL.caught = []
+  try:
+    yield
+  finally:
+    caught, _LOCAL.caught = _LOCAL.caught, None
+  _reissue(caught)   # not when the declaration raised: its error is the news
+
+
+def _reissue(caught: list[tuple[str, warnings.WarningMessage]]) -> None:
+  groups: dict[tuple, list[warnings.WarningMessage]] = {}
+  for where, w in caught:
+    text = str(w.message)
+    cause = re.sub(rf"{re.escape(where)}( dim \d+)?", "<param>", text) if where in text else text
+    groups.setdefault((w.category, cause), []).append(w)
+  for (category, _), same in groups.items():
+    first, text = same[0], str(same[0].message)
+    if len(same) > 1:
+      head, sep, rest = text.partition("\n")
+      head = head[:-1] if head.endswith(".") else head
+      text = f"{head} (and {len(same) - 1} more parameter(s) for the same reason).{sep}{rest}"
+    # this module's registry, so a retrace (micro-batches, jit) repeats nothing already shown
+    warnings.warn_explicit(text, category, first.filename, first.lineno,
+                           registry=_WARNING_REGISTRY)
 
 
 class _Scope(hk.Module):
