@@ -1,5 +1,6 @@
 """What a run shows and leaves behind: progress (a bar or log lines), ``metrics.jsonl``,
-``loss.png``, a summary.
+``summary.json``, ``loss.png`` (unless ``plot=false``), a summary table that names exactly
+the files the run left.
 
 Every file is written atomically (``partition._base.io.atomic_write``): a crash never leaves a
 half-written metrics file or plot.
@@ -236,8 +237,70 @@ def steps_text(summary: dict[str, Any]) -> str:
   return f"{reached}" + (f" (resumed from {start})" if start else "")
 
 
+OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "checkpoints/")  # a run's files, in order
+
+
+def outputs_of(summary: dict[str, Any]) -> list[str]:
+  """The files of the run in ``summary['out_dir']``: ``summary['outputs']`` as
+  :func:`finish` recorded them, else those of :data:`OUTPUTS` that are there.
+
+  >>> outputs_of({'out_dir': '.', 'outputs': ['metrics.jsonl', 'summary.json']})
+  ['metrics.jsonl', 'summary.json']
+  """
+  if summary.get("outputs") is not None:
+    return list(summary["outputs"])
+  out_dir = pathlib.Path(summary["out_dir"])
+  return [name for name in OUTPUTS if (out_dir / name.rstrip("/")).exists()]
+
+
+def pipeline_fields(stages: int, microbatches: int, repeats: int = 1) -> dict[str, Any]:
+  """The summary's ``pipeline`` entry for ``stages`` stages (``p``), ``microbatches``
+  pipeline micro-batches (``m``) and ``repeats`` (``r``; 1 is GPipe): with the idle share of
+  stage-iterations, ``bubble = (p - 1) / (r m + p - 1)`` (``docs/pipeline.md``).
+
+  >>> pipeline_fields(4, 8, 2)
+  {'stages': 4, 'microbatches': 8, 'repeats': 2, 'iterations': 19, 'bubble': 0.15789473684210525}
+  """
+  from partition import pipeline_bubble
+  return {"stages": stages, "microbatches": microbatches, "repeats": repeats,
+          "iterations": repeats * microbatches + stages - 1,
+          "bubble": pipeline_bubble(stages, microbatches, repeats)}
+
+
+def pipeline_text(fields: dict[str, Any]) -> str:
+  """The summary table's ``pipeline`` cell.
+
+  >>> pipeline_text(pipeline_fields(4, 4))
+  '4 stages x 4 micro-batches x 1 repeat: 7 iterations, bubble 42.9%'
+  """
+  r = fields["repeats"]
+  return (f"{fields['stages']} stages x {fields['microbatches']} micro-batches x {r} "
+          f"repeat{'s' if r != 1 else ''}: {fields['iterations']} iterations, "
+          f"bubble {fields['bubble']:.1%}")
+
+
+def finish(summary: dict[str, Any], records: list[dict[str, Any]], out_dir: pathlib.Path, *,
+           plot: bool, checkpoints: bool = True, out=None) -> dict[str, Any]:
+  """Ends a run: writes ``summary.json`` and, with ``plot``, ``loss.png`` into ``out_dir``,
+  then prints the summary. ``summary['outputs']`` lists exactly the run's files there
+  (``metrics.jsonl`` is written during the run, ``checkpoints/`` by the checkpointer when
+  ``checkpoints``). Returns the summary as written."""
+  out_dir = pathlib.Path(out_dir)
+  written = {"metrics.jsonl": True, "summary.json": True, "loss.png": plot,
+             "checkpoints/": checkpoints and (out_dir / "checkpoints").is_dir()}
+  summary = {**summary, "outputs": [name for name in OUTPUTS if written[name]]}
+  write_json(out_dir / "summary.json", summary)
+  if plot:
+    plot_losses(records, out_dir / "loss.png")
+  if out is not None:
+    print_summary(summary, out)
+  return summary
+
+
 def print_summary(summary: dict[str, Any], out) -> None:
-  """A one-screen summary of the run (rich table)."""
+  """A one-screen summary of the run (rich table): its ``outputs`` row names the files of
+  :func:`outputs_of`, a pipelined run's ``pipeline`` entry (:func:`pipeline_fields`) gets a
+  row with the stages, micro-batches, repeats and bubble."""
   from rich.console import Console
   from rich.table import Table
 
@@ -259,8 +322,10 @@ def print_summary(summary: dict[str, Any], out) -> None:
       ("params per device", f"{_bytes(summary['param_bytes_per_device'])} of "
                             f"{_bytes(summary['param_bytes_total'])}"),
       ("optimizer state per device", _bytes(summary["optimizer_bytes_per_device"])),
-      ("outputs", f"{summary['out_dir']}/ (metrics.jsonl, loss.png, checkpoints/)"),
+      ("outputs", f"{summary['out_dir']}/ ({', '.join(outputs_of(summary))})"),
   ]
+  if summary.get("pipeline"):
+    rows.insert(3, ("pipeline", pipeline_text(summary["pipeline"])))
   for k, v in rows:
     table.add_row(k, v)
   Console(file=out, width=100).print(table)
