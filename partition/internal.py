@@ -12,4 +12,5 @@ from partition._base.io import atomic_write as atomic_write
 from partition._base.logical_axes import path_str as path_str
 from partition._base.mesh import entry_mesh_axes as entry_mesh_axes
 from partition._base.mesh import to_spec_entry as to_spec_entry
+from partition._params.audit import audit_placement as audit_placement
 from partition._rules.explain import human_bytes as human_bytes

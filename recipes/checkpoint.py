@@ -17,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from partition.internal import needs_extra
+from partition.internal import audit_placement, needs_extra
 from partition.internal import path_str as path_of
 
 with needs_extra("recipes", by="recipes.checkpoint"):
@@ -41,19 +41,26 @@ def axes_by_path(tree: Any, axes_tree: Any) -> dict[str, list | None]:
 
 
 def restore_target(tree: Any, axes: dict[str, list | None], rules: Any, mesh: Any,
-                   prefix: str = "") -> Any:
+                   prefix: str = "", api: str = "Checkpointer.restore_on") -> Any:
   """Abstract arrays for restoring the checkpointed ``tree`` (orbax metadata) into shards:
   each leaf placed on ``mesh`` by ``rules`` from its logical axes (``axes``, keyed by
-  ``prefix + path``, as :func:`axes_by_path` records them); leaves without axes replicated."""
-  def target(path, leaf):
-    logical = axes.get(prefix + path_of(path))
-    spec = (rules.spec(tuple(logical), tuple(leaf.shape), mesh) if logical
-            else PartitionSpec())
-    return jax.ShapeDtypeStruct(tuple(leaf.shape), np.dtype(leaf.dtype),
-                                sharding=NamedSharding(mesh, spec))
+  ``prefix + path``, as :func:`axes_by_path` records them); leaves without axes replicated.
 
-  return jax.tree_util.tree_map_with_path(
-      target, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  Audited as ``init_sharded`` audits a new model's parameters: a named dim the rules leave
+  replicated on this mesh (no rule, or none that divides it) is a ``PartitionWarning``
+  naming ``api`` and the array."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+  paths = [path_of(path) for path, _ in flat]
+  logical = {p: tuple(a) if (a := axes.get(prefix + p)) else None for p in paths}
+  shapes = {p: jax.ShapeDtypeStruct(tuple(x.shape), np.dtype(x.dtype))
+            for p, (_, x) in zip(paths, flat)}
+  specs = {p: rules.spec(logical[p], shapes[p].shape, mesh) if logical[p] else PartitionSpec()
+           for p in paths}
+  audit_placement(shapes, logical, specs, rules, mesh, strict=False, api=api)
+  return treedef.unflatten([jax.ShapeDtypeStruct(shapes[p].shape, shapes[p].dtype,
+                                                 sharding=NamedSharding(mesh, specs[p]))
+                            for p in paths])
 
 
 class Checkpointer:

@@ -288,7 +288,8 @@ def restore_params(source: Source, rules, mesh) -> Any:
   ckpt = Checkpointer(source.checkpoint)
   try:
     abstract = restore_target(ckpt.manager.item_metadata(source.step)["state"].tree["params"],
-                              source.meta["logical_axes"], rules, mesh, prefix="params/")
+                              source.meta["logical_axes"], rules, mesh, prefix="params/",
+                              api="recipes.generate")
   finally:
     ckpt.close()
   item = {"params": abstract}
