@@ -12,6 +12,8 @@ import reprlib
 from collections.abc import Iterable
 from typing import Any
 
+import jax
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40
 _REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
@@ -90,6 +92,36 @@ def short(x: Any) -> str:
   '[0, 1, 2, 3, 4, 5, ...]'
   """
   return _REPR.repr(x)
+
+
+class _Shown:
+  """Prints as the text it was given (an array as ``f32[8,16]`` in JAX's own messages)."""
+
+  def __init__(self, text: str):
+    self.text = text
+
+  def __repr__(self) -> str:
+    return self.text
+
+
+def prefix_mismatch(structure: Any, tree: Any) -> str:
+  """Why ``tree`` does not fit the pytree prefix ``structure``: JAX's words (from
+  ``structure.flatten_up_to``), with every array written as its dtype and shape, never its
+  values (JAX's message prints the whole subtree).
+
+  >>> import jax, numpy as np
+  >>> prefix_mismatch(jax.tree_util.tree_structure((0,)), (np.ones((8, 100)), 1))
+  'Tuple arity mismatch: 2 != 1; tuple: (f64[8,100], 1).'
+  """
+  from partition._base.logical_axes import dtype_shape  # here: that module imports this one
+
+  shown = jax.tree.map(lambda x: _Shown(dtype_shape(x.dtype, x.shape)) if hasattr(
+      x, "shape") and hasattr(x, "dtype") else x, tree)
+  try:
+    structure.flatten_up_to(shown)
+  except (ValueError, TypeError) as e:
+    return str(e)
+  return "the structures differ"
 
 
 def fun_name(fun) -> str:

@@ -52,7 +52,13 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base import mesh as _mesh
-from partition._base.errors import AxisSizeError, PartitionError, SpecError, format_message
+from partition._base.errors import (
+    AxisSizeError,
+    PartitionError,
+    SpecError,
+    format_message,
+    prefix_mismatch,
+)
 from partition._base.resources import SerialLoop
 from partition._params.optim import resolve_param_axes
 from partition._rules.context import axis_rules, current_rules, current_rules_mesh
@@ -469,14 +475,14 @@ class _MicrobatchSplit:
 def _prefix(axes_tree, tree, what: str, fix: str):
   """``(structure, axes leaves, subtrees of tree)`` for an axes tree that is a pytree prefix
   of ``tree``, or a GradSpecError saying which argument does not fit."""
+  structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes_leaf)
   try:
-    structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes_leaf)
     subtrees = structure.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError):
     raise GradSpecError(format_message(
         f"value_and_grad: {what} is not a pytree prefix of the "
         f"{'batch' if what == 'batch_axes' else 'parameters'}.",
-        context=[f"details: {e}"], fix=fix)) from None
+        context=[f"details: {prefix_mismatch(structure, tree)}"], fix=fix)) from None
   axes = structure.flatten_up_to(axes_tree) if structure.num_leaves else []
   return structure, axes, subtrees
 

@@ -264,8 +264,19 @@ class BodyTracer:
     return OutputAxesError(format_message(
         f"xmap({self.fun_name}): {where} varies along axis {axis!r}, but its out_axes "
         f"{spec!r} does not place it.",
-        fix=f"Add {axis!r} to that output's out_axes (e.g. [{axis!r}, ...]), or reduce over "
-            f"it with partition.Sum({axis!r}) / partition.Mean({axis!r})."))
+        fix=f"Add {axis!r} to that output's out_axes (e.g. {_spec_adding(spec, axis)}), or "
+            f"reduce over it with partition.Sum({axis!r}) / partition.Mean({axis!r})."))
+
+
+def _spec_adding(spec, axis) -> str:
+  """``spec`` (an out_axes leaf) with ``axis`` added where no named dim is: a list stays a
+  list (``['batch', 'classes', ...]``), a dict gains the first free dim."""
+  names, dims = (spec.names, spec.dims) if spec is not None else ((), ())
+  if tuple(dims) == tuple(range(len(dims))):
+    ordered = [names[dims.index(d)] for d in range(len(dims))]
+    return "[" + ", ".join(repr(n) for n in [*ordered, axis]) + ", ...]"
+  free = next(d for d in range(len(dims) + 1) if d not in dims)
+  return "{" + ", ".join(f"{d}: {n!r}" for d, n in [*zip(dims, names), (free, axis)]) + "}"
 
 
 def per_example_structs(args, labels) -> list[jax.ShapeDtypeStruct]:

@@ -31,7 +31,13 @@ from typing import Any
 import jax
 from jax.sharding import PartitionSpec
 
-from partition._base.errors import AxisNameError, NegativeDimError, SpecError, format_message
+from partition._base.errors import (
+    AxisNameError,
+    NegativeDimError,
+    SpecError,
+    format_message,
+    prefix_mismatch,
+)
 
 AxisName = str
 
@@ -303,11 +309,11 @@ def flatten_specs(specs: Any, tree: Any, arg_name: str, fun_name: str
   what = "arguments" if arg_name == "in_axes" else "outputs"
   try:
     per_leaf = spec_leaves_def.flatten_up_to(tree)
-  except (ValueError, TypeError) as e:
+  except (ValueError, TypeError):
     raise SpecError(format_message(
         f"xmap({fun_name}): {arg_name} is not a pytree prefix of the {what}.",
         context=[f"{arg_name} structure: {spec_leaves_def}", f"actual structure: {treedef}",
-                 f"details: {e}"],
+                 f"details: {prefix_mismatch(spec_leaves_def, tree)}"],
         fix=f"Give {arg_name} the same container structure as the {what} (for in_axes: a "
             "tuple, one entry per argument), or a single spec that applies to all of them."
     )) from None

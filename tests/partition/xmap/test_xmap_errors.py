@@ -438,6 +438,17 @@ def test_output_varies_names_output_keypath():
   _check_type(e, ValueError)
 
 
+def test_output_varies_hint_keeps_the_axes_already_placed():
+  f = xmap(lambda a, b: a[:, None] * b, (["batch", ...], ["classes", ...]), ["batch", ...])
+  with _raises(ValueError, r"Add 'classes' to that output's out_axes \(e\.g\. \['batch', "
+                           r"'classes', \.\.\.\]\)") as e:
+    f(jnp.ones((4, 3)), jnp.ones((5, 3)))
+  _check_type(e, ValueError)
+  g = xmap(lambda a, b: a[:, None] * b, (["batch", ...], ["classes", ...]), {1: "batch"})
+  with _raises(ValueError, r"\(e\.g\. \{1: 'batch', 0: 'classes'\}\)"):
+    g(jnp.ones((4, 3)), jnp.ones((5, 3)))
+
+
 def test_output_varies_error_does_not_leak_private_names():
   f = xmap(ident, (["i", ...],), [...], axis_resources={"i": SerialLoop(2)})
   with pytest.raises(ValueError) as e:
@@ -622,6 +633,11 @@ def test_in_axes_not_a_prefix_of_args():
                           r"argument") as e:
     f(jnp.ones(8), jnp.ones(8))
   _check_type(e, TypeError)
+  # The arguments appear as dtype and shape, never as their values (JAX prints them all).
+  with _raises(TypeError, r"details: Tuple arity mismatch: 2 != 1; tuple: \(f32\[8,100\], "
+                          r"f32\[8,100\]\)\.") as e:
+    f(jnp.full((8, 100), 7.0), jnp.full((8, 100), 7.0))
+  assert "7." not in str(e.value)
 
 
 def test_in_axes_dict_keys_mismatch():
