@@ -8,6 +8,7 @@ JAX APIs can read, so it is not consulted.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -47,6 +48,31 @@ def axis_sizes(mesh: AnyMesh | None) -> Mapping[str, int]:
 def resource_size(mesh: AnyMesh | None, mesh_axes: Iterable[str]) -> int:
   sizes = axis_sizes(mesh)
   return math.prod(sizes[a] for a in mesh_axes)
+
+
+def in_context(mesh: AnyMesh | None):
+  """Makes ``mesh`` the context (abstract) mesh while tracing, if none is, so that
+  bare-``PartitionSpec`` constraints in user code (``with_sharding_constraint(x,
+  P('model'))``, flax's ``nn.with_logical_constraint``) see a ``mesh=`` argument as they
+  would a ``jax.set_mesh`` mesh."""
+  if mesh is None or not jax.sharding.get_abstract_mesh().empty:
+    return contextlib.nullcontext()
+  abstract = mesh if isinstance(mesh, AbstractMesh) else mesh.abstract_mesh
+  return jax.sharding.use_abstract_mesh(abstract)
+
+
+def with_unit_axes(mesh: AnyMesh, axes: Iterable[str]) -> AnyMesh:
+  """``mesh`` (as an ``AbstractMesh``) with ``axes`` of size 1: what a rule sees of the mesh
+  axes an enclosing xmap maps (they divide every dim and place none of the body's).
+
+  >>> with_unit_axes(jax.sharding.AbstractMesh((4, 2), ('data', 'model')), {'data'})
+  AbstractMesh('data': 1, 'model': 2, axis_types=(Auto, Auto))
+  """
+  axes = frozenset(axes) & frozenset(mesh.axis_names)
+  if not axes:
+    return mesh
+  sizes = tuple(1 if a in axes else s for a, s in mesh.shape.items())
+  return AbstractMesh(sizes, tuple(mesh.axis_names), axis_types=tuple(mesh.axis_types))
 
 
 def explicit_axes(mesh: AnyMesh | None) -> frozenset[str]:

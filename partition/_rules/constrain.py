@@ -17,7 +17,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base.errors import MeshError, PartitionError, format_message, short
 from partition._base.logical_axes import path_str
-from partition._base.mesh import AnyMesh, describe, entry_mesh_axes, explicit_axes, to_spec_entry
+from partition._base.mesh import (
+  AnyMesh,
+  describe,
+  entry_mesh_axes,
+  explicit_axes,
+  to_spec_entry,
+  with_unit_axes,
+)
 from partition._rules.context import current_rules, current_rules_mesh
 from partition._rules.errors import RulesError, RulesTypeError
 from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
@@ -102,16 +109,18 @@ def constrain_as(x: Any, logical_axes: Any, *, rules: Any = None, mesh: AnyMesh 
         fix="Wrap the code in `with partition.axis_rules(rules):`, or pass "
             "rules=partition.AxisRules([...]) (or a rules file path)."))
   fallbacks: list = []  # (where, Resolution) of every array, for the fallback warnings
+  # The mesh axes an enclosing xmap maps already place the body's dim: size 1 to the rules.
+  placing = with_unit_axes(found_mesh, mapped_mesh_axes())
   if is_axes_leaf(logical_axes) or _flat_sequence(logical_axes) or (
       jax.tree_util.all_leaves([logical_axes])):  # one array's axes, even malformed ones
-    spec = _one_spec(found_rules, logical_axes, x, found_mesh, strict)
-    _note(fallbacks, name, found_rules, logical_axes, x.shape, found_mesh, strict)
+    spec = _one_spec(found_rules, logical_axes, x, placing, strict)
+    _note(fallbacks, name, found_rules, logical_axes, x.shape, placing, strict)
     out = _apply(x, spec, found_mesh)
   else:
     def one(path, axes, leaf):
-      spec = found_rules.spec(axes, leaf.shape, found_mesh, strict)
+      spec = found_rules.spec(axes, leaf.shape, placing, strict)
       _note(fallbacks, f"{name}/{path_str(path)}" if path else name, found_rules, axes,
-            leaf.shape, found_mesh, strict)
+            leaf.shape, placing, strict)
       return spec
 
     specs = map_axes_tree(one, logical_axes, x, "partition.constrain")

@@ -53,11 +53,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from partition._base import mesh as _mesh
 from partition._base.errors import (
-    AxisSizeError,
-    PartitionError,
-    SpecError,
-    format_message,
-    prefix_mismatch,
+  AxisSizeError,
+  PartitionError,
+  SpecError,
+  format_message,
+  prefix_mismatch,
 )
 from partition._base.resources import SerialLoop
 from partition._params.optim import resolve_param_axes
@@ -247,7 +247,7 @@ class _Settings:
     """The reduce-once schedule (``reduce_once.py``), or ``None`` where the model cannot run
     per device shard and ``'auto'`` falls back to the per-micro-batch loop."""
     try:
-      with _abstract_mesh_context(mesh):
+      with _mesh.in_context(mesh):
         return reduce_once_step(
             self.loss_fn, self.has_aux, params, batch, rest, rules=rules, mesh=mesh,
             batch_axes=split.axes, dims=split.dims, k=split.k, m=split.m,
@@ -277,7 +277,7 @@ class _Settings:
                   out_axes=self._out_axes(param_specs, looped, sharded),
                   axis_resources=_loop_resources(split.k, rules, sharded),
                   mesh=mesh if sharded else None)
-    with _abstract_mesh_context(mesh if sharded else None):
+    with _mesh.in_context(mesh if sharded else None):
       return mapped(params, micro, *rest)
 
   def _keys_per_microbatch(self, rest, k):
@@ -384,15 +384,6 @@ def _reduce_once_rule(settings: _Settings, split: _MicrobatchSplit, param_specs,
   if all(uses_axes(s, axes) for s in specs):
     return None  # every parameter is sharded over the batch axes: per micro-batch (today's)
   return lambda spec: not uses_axes(spec, axes)
-
-
-def _abstract_mesh_context(mesh):
-  """Makes ``mesh`` the context mesh while tracing (if none is), so bare-spec constraints in
-  the model (flax's ``nn.with_logical_constraint``) see it."""
-  if mesh is None or not jax.sharding.get_abstract_mesh().empty:
-    return contextlib.nullcontext()
-  abstract = mesh if isinstance(mesh, jax.sharding.AbstractMesh) else mesh.abstract_mesh
-  return jax.sharding.use_abstract_mesh(abstract)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,8 +48,9 @@ from partition._base.errors import (
   short,
 )
 from partition._base.resources import named_loops
-from partition._rules.context import current_rules
+from partition._rules.context import axis_rules, current_rules
 from partition._rules.scope import rules_mesh
+from partition._rules.table import AxisRules
 from partition._xmap import placement as _placement
 from partition._xmap.collectives import check_no_joint_ppermute
 from partition._xmap.layout import (
@@ -210,6 +211,15 @@ class XMapped:
       hit = self._cache[key] = self._compile(layout, treedef, leaves, specs, paths, rules)
     return hit
 
+  def _table_in_scope(self, mesh):
+    """An ``axis_resources`` rules table is the body's rules too, where no
+    ``partition.axis_rules`` context gives others: its ``partition.constrain`` and
+    ``nn.with_logical_constraint`` resolve by the table the xmap was given."""
+    table = self._axis_resources
+    if not isinstance(table, AxisRules) or current_rules() is not None:
+      return contextlib.nullcontext()
+    return axis_rules(table, mesh)
+
   def _rules(self):
     """The rules that resolve ``Logical`` leaves and, without ``axis_resources``, the named
     axes: axis_resources if it is a table, else the ``partition.axis_rules`` context (looked
@@ -281,7 +291,8 @@ class XMapped:
       leaves = [_constrain_input(layout, x, s, st, t, constrain)
                 for x, s, st, t in zip(leaves, specs, inputs.stated, typed)]
     split, labels = split_inputs(layout, leaves, specs)
-    with in_xmap_terms(layout, name, self._in_names), tracing(layout):
+    with self._table_in_scope(mesh), in_xmap_terms(layout, name, self._in_names), \
+        tracing(layout):
       check_no_joint_ppermute(
           lambda *xs: self._fun(*jax.tree_util.tree_unflatten(in_treedef, list(xs))),
           per_example_structs(split, labels), _bound_axes(layout), name)
@@ -329,7 +340,8 @@ def _program(layout: MapLayout, trace: Callable, has_mesh: bool, name: str) -> C
     if now_explicit:
       outs, treedef = _with_explicit_axes_auto(mesh, now_explicit, trace, leaves, name)
     else:
-      outs, _, treedef = trace(leaves, in_region=False)
+      with _mesh.in_context(mesh if has_mesh else None):
+        outs, _, treedef = trace(leaves, in_region=False)
     return jax.tree_util.tree_unflatten(treedef, outs)
 
   return program

@@ -32,11 +32,11 @@ import jax
 from jax.sharding import PartitionSpec
 
 from partition._base.errors import (
-    AxisNameError,
-    NegativeDimError,
-    SpecError,
-    format_message,
-    prefix_mismatch,
+  AxisNameError,
+  NegativeDimError,
+  SpecError,
+  format_message,
+  prefix_mismatch,
 )
 
 AxisName = str

@@ -6,6 +6,9 @@ mesh axes the xmap maps (the xmap places that dim), a hard-coded ``PartitionSpec
 them is a ``ResourceError``. Reference: the mean gradient of the same model on one device.
 """
 
+import re
+import warnings
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -88,3 +91,36 @@ def test_hard_coded_partition_spec_on_a_mapped_axis_is_a_resource_error(mesh):
   assert "with_sharding_constraint(x, P('data',))" in message
   assert "'data' (axis 'batch')" in message
   assert "partition.value_and_grad" in message
+
+
+def test_constraints_in_the_body_see_xmaps_mesh_and_rules_without_a_context(mesh):
+  """mesh= and a rules table given to xmap are what the body's constraints use, as a
+  jax.set_mesh mesh and a partition.axis_rules table would be (no JAX RuntimeError asking
+  for a context mesh, no silently dropped logical constraint)."""
+  model = _Constrained()
+  params = model.init(jax.random.key(0), X[:1])
+  want = jax.grad(lambda p: model.apply(p, X) / len(X))(params)
+  grads = partition.xmap(jax.grad(lambda p, example: model.apply(p, example[None])),
+                         in_axes=({}, ["batch", ...]), out_axes=partition.Mean("batch"),
+                         axis_resources=partition.AxisRules(PAIRS), mesh=mesh)
+  with warnings.catch_warnings():
+    # the example's 'batch' dim of size 1 lives on no mesh axis: 'data' is the xmap's
+    warnings.simplefilter("error", partition.PartitionWarning)
+    text = grads.lower(params, X).as_text()
+  # the body's ('batch', 'mlp') constraints place mlp on 'model' (batch is the xmap's, on data)
+  assert re.search(r'sharding_constraint %\d+ <@mesh, \[\{"data"\}, \{\}, \{"model"\}\]>', text)
+  got = grads(params, X)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got, want)
+
+  def bare(example):  # a hard-coded spec on an axis the xmap does not map
+    return jax.lax.with_sharding_constraint(example * 2, PartitionSpec("model"))
+
+  out = partition.xmap(bare, ["batch", ...], ["batch", ...], axis_resources={"batch": "data"},
+                       mesh=mesh)(X)
+  assert out.sharding.spec == PartitionSpec("data", "model")
+  np.testing.assert_array_equal(np.asarray(out), X * 2)
+  mapped = partition.xmap(lambda e: jax.lax.with_sharding_constraint(e, PartitionSpec("data")),
+                          ["batch", ...], ["batch", ...], axis_resources={"batch": "data"},
+                          mesh=mesh)
+  with pytest.raises(partition.ResourceError, match=r"names mesh axes \('data',\)"):
+    mapped(X)
