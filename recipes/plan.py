@@ -49,6 +49,7 @@ from recipes._planner.candidates import config_yaml as config_yaml  # noqa: E402
 from recipes._planner.candidates import factorisations as factorisations  # noqa: E402
 from recipes._planner.candidates import model_params as model_params  # noqa: E402
 from recipes._planner.candidates import powers_of_two as powers_of_two  # noqa: E402
+from recipes._planner.candidates import refusals as refusals  # noqa: E402
 from recipes._planner.compile_pool import MAX_COMPILE_DEVICES as MAX_COMPILE_DEVICES  # noqa: E402
 from recipes._planner.compile_pool import compile_many as compile_many  # noqa: E402
 from recipes._planner.compile_pool import compile_step as compile_step  # noqa: E402
@@ -68,6 +69,7 @@ from recipes._planner.search import search as search  # noqa: E402
 
 DEFAULT_OUT = "runs/plan/best.yaml"
 DEFAULT_CACHE = "runs/plan/cache.json"
+_HEADER = "# written by python -m recipes.plan"   # a best plan's first line
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -97,7 +99,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="search only this preset (repeatable)")
   parser.add_argument("--remat", action="append", default=None,
                       help=f"remat policies to search (default: {', '.join(DEFAULT_REMATS)})")
-  parser.add_argument("--max-microbatches", type=int, default=8, metavar="K")
+  parser.add_argument("--max-microbatches", type=_positive_microbatches, default=8,
+                      metavar="K",
+                      help="the most micro-batches per step to search (gradient accumulation, "
+                           "the config's microbatches): 1, 2, 4, ... up to K, dividing the "
+                           "rows per device; 1 or more (default 8; 1: no accumulation)")
   parser.add_argument("--compile", type=int, default=4, metavar="K", dest="compile_top",
                       help="compile the best K plans that fit the screen (default 4; 0: "
                            f"analytic only; never above {MAX_COMPILE_DEVICES} devices)")
@@ -144,6 +150,21 @@ def _positive_rows(value: str) -> int:
   return rows
 
 
+def _positive_microbatches(value: str) -> int:
+  """``--max-microbatches K``: K >= 1 (0 and negative counts searched no micro-batch count
+  at all, silently)."""
+  try:
+    k = int(value)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{value!r} is not a number of micro-batches: use "
+                                     "--max-microbatches 1 or more (default 8)") from None
+  if k < 1:
+    raise argparse.ArgumentTypeError(f"{k} allows no micro-batch count: use "
+                                     "--max-microbatches 1 or more (1: one micro-batch per "
+                                     "step, default 8)")
+  return k
+
+
 def _attention_override(overrides: list[str], flag: str | None) -> tuple[list[str], str | None]:
   """``model.attention=X`` among the overrides: kept for the config when the model has that
   field, else taken out and used as ``--attention`` (which wins over it)."""
@@ -173,22 +194,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 2
   out = pathlib.Path(args.out)
-  best = found.results[0]
-  if best.fits:
+  best = found.best
+  if best is not None:
     _write_best(out, best, config, chip, args, sys.argv[1:] if argv is None else argv)
+  else:
+    kept = _remove_stale(out)
   if not args.no_plot:
     plot(found, chip, out.with_suffix(".png"))
   if args.json:
-    print(json.dumps(_json_report(found, chip, args, out if best.fits else None), indent=1))
-    return 0
-  render(found, chip, args.devices, found.hosts, args.top)
-  if measured:
-    render_measured(measured, chip)
-  if best.fits:
-    print(f"best plan written to {out}: python -m recipes.train --config {out}")
+    print(json.dumps(_json_report(found, chip, args, out if best else None), indent=1))
   else:
-    print("no plan fits: see the memory column (more devices, remat, a smaller batch)")
-  return 0
+    render(found, chip, args.devices, found.hosts, args.top)
+    if measured:
+      render_measured(measured, chip)
+  if best is not None:
+    if not args.json:
+      print(f"best plan written to {out}: python -m recipes.train --config {out}")
+    return 0
+  print(_no_fit_message(found, chip, args, out, kept), file=sys.stderr)
+  return 1
+
+
+def _no_fit_message(found: Search, chip, args, out: pathlib.Path, kept: bool) -> str:
+  """Why nothing was written, what the closest plan needs, and how to get one that fits."""
+  closest = next((r for r in found.results if r.error is None), None)
+  need = (f"; the closest, {closest.candidate.label()}, needs {human(closest.memory)} per "
+          f"device against {chip.name}'s {human(chip.hbm_bytes)}" if closest else "")
+  failed = (f"; {len(found.failed)} compiled plan(s) failed (warnings above)"
+            if found.failed else "")
+  stale = (f" {out} is not the planner's, so it was left as it is." if kept else
+           f" No config was written to {out} (nor is an earlier plan's left there).")
+  return (f"error: no plan fits {args.devices} x {chip.name}{need}{failed}. Use more devices "
+          "(--devices), remat (--remat full), more micro-batches (--max-microbatches), "
+          f"sharded weights (--preset fsdp) or a smaller batch (--batch-tokens).{stale}")
+
+
+def _remove_stale(out: pathlib.Path) -> bool:
+  """Removes a best plan an earlier run wrote to ``out`` (it would read as this run's);
+  ``True`` when ``out`` exists and is not the planner's (kept: a user's own config)."""
+  try:
+    head = out.read_text().splitlines()[:1]
+  except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError):
+    return out.exists()
+  if head and head[0].startswith(_HEADER):
+    out.unlink()
+    return False
+  return True
 
 
 def _chip(args: argparse.Namespace):
@@ -224,7 +275,7 @@ def _write_best(out: pathlib.Path, best: Result, config, chip, args, argv) -> No
   """The best plan as a config ``python -m recipes.train --config`` runs, with a header
   saying how it was chosen."""
   out.parent.mkdir(parents=True, exist_ok=True)
-  header = (f"# written by python -m recipes.plan {' '.join(argv)}\n"
+  header = (f"{_HEADER} {' '.join(argv)}\n"
             f"# {best.candidate.label()}: {seconds(best.time.step_s)} predicted on "
             f"{args.devices} x {chip.name}, {human(best.memory)} per device "
             f"({best.source})\n")

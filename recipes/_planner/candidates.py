@@ -74,28 +74,102 @@ def preset_rules(config, preset: str):
 def candidates(config, params, presets: Sequence[str], devices: int,
                remats: Sequence[str], max_microbatches: int) -> tuple[list[Candidate], dict]:
   """Distinct candidates (two plans whose every spec matches after dropping size-1 axes
-  are one), and per preset why none was kept (``{}`` if some were)."""
+  are one) that ``python -m recipes.train`` would run (:func:`refusals`), and per preset why
+  none was kept (``{}`` if some were)."""
   out, seen, empty = [], set(), {}
   for preset in presets:
     rules = preset_rules(config, preset)
     axes = plan_model.mesh_axes_of(rules)
+    check = _refusals_of(config, preset)
+    refused: dict[str, None] = {}     # train's reasons, in order, each once
+    idle_refused: dict[str, None] = {}   # ... on meshes with an idle axis
     valid = kept = 0
     for sizes in factorisations(devices, len(axes)):
       mesh = dict(zip(axes, sizes))
+      counts = _microbatch_counts(config, rules, mesh, max_microbatches)
       sig = plan_model.sharding_signature(params, rules, mesh, config.batch_size,
                                           config.seq_len)
-      if _has_idle_axis(mesh, sig):
+      idle = _has_idle_axis(mesh, sig)
+      runnable = []
+      for k in counts:
+        problems = check(mesh, k)
+        (idle_refused if idle else refused).update(dict.fromkeys(problems))
+        if not problems:
+          runnable.append(k)
+      if idle or not runnable:
         continue
       valid += 1
-      for k in _microbatch_counts(config, rules, mesh, max_microbatches):
+      for k in runnable:
         for remat in remats:
           if (sig, k, remat) not in seen:
             seen.add((sig, k, remat))
             out.append(Candidate(preset, tuple(mesh.items()), k, remat))
             kept += 1
     if not kept:
-      empty[preset] = _why_none(config, devices, axes, valid)
+      # an idle axis train refuses to fill (a pipeline over an unscanned stack) is the
+      # cause where some mesh was valid, else the batch that splits over no mesh is
+      why = list(refused) + (list(idle_refused) if valid else [])
+      empty[preset] = _why_none(config, devices, axes, valid, why)
   return out, empty
+
+
+def refusals(config, c: Candidate) -> list[str]:
+  """Why ``python -m recipes.train`` would refuse the candidate's config, one line each
+  (``[]``: it runs): ``train.run_problems`` (the check train itself makes before it compiles:
+  mesh axes, layer count over pipeline stages x repeats, ``scan_layers``, the batch over its
+  shards x micro-batches), and :func:`_pipeline_rows_problem`."""
+  return _refusals_of(config, c.preset)(c.mesh_dict, c.microbatches)
+
+
+def _refusals_of(config, preset: str):
+  """``(mesh, k) -> refusals`` for ``preset``, its rules built once."""
+  import jax
+
+  from recipes import train
+  rules = None
+
+  def check(mesh: dict[str, int], k: int) -> list[str]:
+    nonlocal rules
+    one = dataclasses.replace(config, preset=preset, mesh=dict(mesh), microbatches=k)
+    if rules is None:
+      rules = train.make_rules(one)   # the same for every mesh and k (microbatches is set)
+    amesh = jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh))
+    problems = train.run_problems(one, rules, amesh)
+    pipeline = _pipeline_rows_problem(one, rules, amesh)
+    return problems + ([pipeline] if pipeline else [])
+  return check
+
+
+def _pipeline_rows_problem(config, rules, amesh) -> str | None:
+  """A pipelined plan whose pipeline micro-batches would not split over the batch's devices
+  (``partition.pipeline`` raises ``MicrobatchError`` when the step is traced, and
+  ``train.run_problems`` does not check it yet): the ``batch_size / microbatches`` rows of a
+  step's micro-batch go through the pipeline as ``model.pipeline_microbatches`` (0: one per
+  stage) pipeline micro-batches, each of which must hold whole rows on every device of the
+  batch's mesh axes. ``None`` when it does, or without stages."""
+  import partition
+  stage = partition.stage_axis(rules, amesh)
+  if stage is None:
+    return None
+  sizes = dict(amesh.shape)
+  k, b = config.microbatches or 1, config.batch_size
+  m = config.model.pipeline_microbatches or sizes[stage]
+  rows, _ = plan_model.batch_groups(rules, sizes, b, config.seq_len)
+  rows = tuple(a for a in rows if a != stage)
+  shards = math.prod(sizes[a] for a in rows)
+  per_device = b // shards
+  if b % shards == 0 and per_device % (k * m) == 0:
+    return None
+  pm = ("model.pipeline_microbatches=0 (one per stage: "
+        f"{m})" if not config.model.pipeline_microbatches else
+        f"model.pipeline_microbatches={m}")
+  fits = [q for q in range(sizes[stage], per_device // k + 1) if (per_device // k) % q == 0]
+  return (f"batch_size={b} over {shards} device(s) (mesh axes {rows or '()'}) is {per_device} "
+          f"row(s) per device, which do not split into microbatches={k} x {pm}) "
+          "pipeline micro-batches of whole rows: use a batch_size that is a multiple of "
+          f"{shards * k * m} (e.g. batch_size={shards * k * m * max(1, b // (shards * k * m))})"
+          + (f", or model.pipeline_microbatches in {fits}" if fits else "")
+          + (", or fewer microbatches" if k > 1 else ""))
 
 
 def _has_idle_axis(mesh: dict[str, int], signature) -> bool:
@@ -112,11 +186,21 @@ def _microbatch_counts(config, rules, mesh: dict[str, int], limit: int) -> list[
   return [k for k in powers_of_two(min(limit, per_device_rows)) if per_device_rows % k == 0]
 
 
-def _why_none(config, devices: int, axes, valid: int) -> str:
+def _why_none(config, devices: int, axes, valid: int, refused: list[str]) -> str:
+  """Why a preset kept no plan: what train refuses (the real cause, e.g.
+  ``model.scan_layers=false`` for a pipeline preset), then duplicates or an uneven batch."""
+  why = []
+  if refused:
+    shown = "; ".join(refused[:3]) + (f" (and {len(refused) - 3} more)" if len(refused) > 3
+                                      else "")
+    why.append(f"python -m recipes.train would refuse its plans: {shown}")
   if valid:
-    return "every plan is one an earlier preset already gives (same shardings)"
-  return (f"no factorisation of {devices} over its mesh axes {axes} splits "
-          f"batch_size={config.batch_size} x seq_len={config.seq_len} evenly")
+    why.append(("the others are" if refused else "every plan is") + " one an earlier "
+               "preset already gives (same shardings)")
+  elif not refused:
+    why.append(f"no factorisation of {devices} over its mesh axes {axes} splits "
+               f"batch_size={config.batch_size} x seq_len={config.seq_len} evenly")
+  return "; ".join(why)
 
 
 # -- model shapes (the one place that builds a run) ------------------------------------------

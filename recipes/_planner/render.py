@@ -45,6 +45,7 @@ _RIGHT = ("#", "k", "memory/device", "step time", "MFU", "roofline", "measured s
 def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdout) -> None:
   """The ranked rich table (the first ``top`` plans) and a one-line summary."""
   from rich.console import Console
+  from rich.markup import escape
   from rich.table import Table
   console = Console(file=out, width=220)
   table = Table(title=f"plans for {devices} x {chip.name} ({hosts} host domain"
@@ -59,8 +60,10 @@ def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdo
   for preset, why in found.skipped.items():
     console.print(f"note: preset {preset}: {why}", highlight=False)
   for label, why in found.failed.items():
-    console.print(f"[yellow]warning:[/yellow] compiling {label} failed ({why}); its row "
-                  "shows the estimate", highlight=False)
+    # escaped: a label's mesh ('[data2xstage4]') and the message are not rich markup
+    console.print(f"[yellow]warning:[/yellow] compiling {escape(label)} failed, so it is "
+                  "not a plan to run (its row shows the estimate):\n  "
+                  + escape(why).replace("\n", "\n  "), highlight=False)
 
 
 def _columns(measured: bool) -> list[str]:
@@ -74,6 +77,8 @@ def _columns(measured: bool) -> list[str]:
 def _row(i: int, r: Result, chip, measured: bool) -> list[str]:
   c = r.candidate
   fits = "yes" if r.fits else f"[red]no (> {human(chip.hbm_bytes)})[/red]"
+  if r.error is not None:
+    fits = "[red]compile failed[/red]"
   bound = r.time.bound
   if bound == "communication":
     bound = f"[yellow]communication ({r.time.bound_axes})[/yellow]"

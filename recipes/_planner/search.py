@@ -44,6 +44,12 @@ class Result:
   fits: bool
   memory_source: str = "analytic"   # what ``memory`` is (see :func:`evaluate`)
   measured: dict[str, Any] | None = None   # --measure: step seconds, memory on the device
+  error: str | None = None   # why its compile failed: train cannot run it, never the best
+
+  @property
+  def runnable(self) -> bool:
+    """Fits the chip's HBM and, where it was compiled, compiled: a plan to write."""
+    return self.fits and self.error is None
 
   @property
   def comm_bytes(self) -> dict[str, float]:
@@ -59,7 +65,7 @@ class Result:
   def to_dict(self) -> dict[str, Any]:
     c = self.candidate
     return {"preset": c.preset, "mesh": c.mesh_dict, "microbatches": c.microbatches,
-            "remat": c.remat, "source": self.source, "fits": self.fits,
+            "remat": c.remat, "source": self.source, "fits": self.fits, "error": self.error,
             "memory_per_device": self.memory, "collective_bytes": self.comm_bytes,
             "memory_source": self.memory_source, "attention": self.estimate.shape.attention
             if self.estimate.shape else None,
@@ -133,11 +139,18 @@ def _memory_per_device(est: plan_model.Estimate, compiled: dict | None) -> tuple
 
 
 def rank(results: list[Result]) -> list[Result]:
-  """Fitting plans first, then by predicted step time (to 4 significant digits), then by
+  """The plans that fit first, by predicted step time (to 4 significant digits), then by
   the bare roofline (of two plans the cost model ties, the one with more headroom over
-  its collectives at datasheet rates), then by memory per device."""
-  return sorted(results, key=lambda r: (not r.fits, float(f"{r.time.step_s:.4g}"),
-                                        float(f"{r.time.roofline_s:.4g}"), r.memory))
+  its collectives at datasheet rates), then by memory per device; then those that do not
+  fit, closest to fitting first (least memory per device); last those whose compile
+  failed (by step time)."""
+  def key(r: Result) -> tuple:
+    if r.error is not None:
+      return (2, r.time.step_s, r.memory, 0.0)
+    if not r.fits:
+      return (1, r.memory, r.time.step_s, 0.0)
+    return (0, float(f"{r.time.step_s:.4g}"), float(f"{r.time.roofline_s:.4g}"), r.memory)
+  return sorted(results, key=key)
 
 
 # -- the search ------------------------------------------------------------------------------
@@ -155,6 +168,11 @@ class Search:
   skipped: dict[str, str]
   hosts: int
   failed: dict[str, str]      # plan label -> why its compile failed (shown with its estimate)
+
+  @property
+  def best(self) -> Result | None:
+    """The first plan that fits and did not fail to compile (``None``: no plan fits)."""
+    return next((r for r in self.results if r.runnable), None)
 
 
 def search(config, *, devices: int, chip, hosts: int | None = None,
@@ -204,18 +222,32 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
   results = {c: price(c, None) for c in cands}
   cache = cache or Cache(None)
   keys = {c: cache_key(candidate_config(config, c), devices) for c in cands}
-  cached = [c for c in cands if cache.good(keys[c])]
+  # the best K of the screen are compiled, those the cache holds (results and failures) are
+  # not compiled again: a rerun with the same arguments compiles nothing
   chosen = []
   if compile_top > 0 and devices <= MAX_COMPILE_DEVICES:
-    chosen = [r.candidate for r in rank(list(results.values()))
-              if r.fits and not cache.good(keys[r.candidate])][:compile_top]
-  _compile_into(cache, {keys[c]: candidate_config(config, c) for c in chosen}, devices,
+    chosen = [r.candidate for r in rank(list(results.values())) if r.fits][:compile_top]
+  fresh = [c for c in chosen if keys[c] not in cache.data]
+  cached = [c for c in cands if keys[c] in cache.data and c not in fresh]
+  _compile_into(cache, {keys[c]: candidate_config(config, c) for c in fresh}, devices,
                 progress)
   results.update({c: price(c, cache.good(keys[c])) for c in cands if cache.good(keys[c])})
-  failed = {c.label(): cache.data[keys[c]]["error"].splitlines()[0] for c in chosen
-            if "error" in cache.data.get(keys[c], {})}
-  return Search(rank(list(results.values())), len(cands), len(chosen), len(cached),
+  failed = {}
+  for c in chosen:
+    if error := cache.data.get(keys[c], {}).get("error"):
+      failed[c.label()] = _error_text(error)
+      results[c] = dataclasses.replace(results[c], error=failed[c.label()])
+  return Search(rank(list(results.values())), len(cands), len(fresh),
+                len([c for c in cached if cache.good(keys[c])]),
                 time.perf_counter() - start, skipped, hosts, failed)
+
+
+def _error_text(error: str, lines: int = 12, chars: int = 2000) -> str:
+  """A failed compile's message as the user needs it: the headline and the lines after it
+  (``TrainConfigError``'s bullets, ``MicrobatchError``'s fix), at most ``lines`` lines."""
+  kept = [line for line in error.strip().splitlines() if line.strip()][:lines]
+  text = "\n".join(kept)
+  return text if len(text) <= chars else text[:chars - 3] + "..."
 
 
 def _check_arguments(devices: int, remats: Sequence[str], attention: str | None) -> None:

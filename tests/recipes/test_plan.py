@@ -224,6 +224,55 @@ def test_unknown_preset_exits_2(tmp_path):
   assert code == 2 and "(did you mean 'fsdp'" in err
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_max_microbatches_below_one_is_an_argparse_error(value, capsys):
+  with pytest.raises(SystemExit) as e:
+    plan.parse_args(["--devices", "8", "--chip", "v5e", "--max-microbatches", value])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "argument --max-microbatches" in err and "use --max-microbatches 1 or more" in err
+
+
+def test_max_microbatches_has_help(capsys):
+  with pytest.raises(SystemExit):
+    plan.parse_args(["--help"])
+  help_text = " ".join(capsys.readouterr().out.split())
+  assert "the most micro-batches per step to search" in help_text
+
+
+# 8.6 G parameters (a 2M-word vocabulary of width 4096): 16 bytes each of state, 17 GB per
+# device even under fsdp=8, above a v5e's 16 GB
+TOO_BIG = ["model.vocab_size=2097152", "model.embed_dim=4096", "model.num_layers=1"]
+
+
+def test_no_plan_fits_exits_1_ranks_closest_first_and_leaves_no_stale_plan(tmp_path):
+  out = tmp_path / "best.yaml"
+  out.write_text("# written by python -m recipes.plan --devices 8 --chip v5e (earlier)\n"
+                 "preset: fsdp\n")
+  code, text, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "0", "--json",
+                         "--preset", "data_parallel", "--preset", "fsdp", "--remat", "full",
+                         "--top", "50", "--out", str(out), "--cache", "", "--no-plot",
+                         *TINY, *TOO_BIG)
+  assert code == 1
+  assert "error: no plan fits 8 x tpu-v5e" in err and "--remat full" in err
+  assert not out.exists()                      # the earlier run's plan is gone
+  doc = json.loads(text)
+  assert doc["config"] is None and not any(p["fits"] for p in doc["plans"])
+  memory = [p["memory_per_device"] for p in doc["plans"]]
+  assert memory == sorted(memory) and len(memory) > 2   # closest to fitting first
+  assert doc["plans"][0]["preset"] == "fsdp"
+
+
+def test_no_plan_fits_keeps_a_config_the_planner_did_not_write(tmp_path):
+  out = tmp_path / "mine.yaml"
+  out.write_text("preset: fsdp\n")
+  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "0", "--preset", "fsdp",
+                      "--remat", "full", "--out", str(out), "--cache", "", "--no-plot",
+                      *TINY, *TOO_BIG)
+  assert code == 1 and out.read_text() == "preset: fsdp\n"
+  assert "is not the planner's, so it was left as it is" in " ".join(err.split())
+
+
 @pytest.mark.slow
 def test_analytic_search_json_and_outputs(tmp_path):
   out = tmp_path / "best.yaml"
