@@ -133,6 +133,9 @@ class StepShape:
     expert_slots: expert slots per token, ``E C / l`` (``C`` = ``layers.expert_capacity``
       per sequence of ``l`` tokens): the tokens each expert projection runs on per routed
       token, ``capacity_factor x top_k`` up to rounding.
+    pipeline_microbatches: ``m``, the pipeline micro-batches a step micro-batch is split
+      into when the layers are pipelined over stages (1: no pipeline): each block runs once
+      per pipeline micro-batch, on ``tokens / m`` tokens.
   """
 
   rows: float
@@ -156,6 +159,7 @@ class StepShape:
   chunked_loss: bool = False
   experts: float = 0.0
   expert_slots: float = 0.0
+  pipeline_microbatches: int = 1
 
   @property
   def tokens(self) -> float:
@@ -261,6 +265,12 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
   """Per phase (``forward``, ``backward``; the optimizer update is in the backward), seconds
   per op class for the whole step on one device (``k`` micro-batches, before the bubble).
 
+  A pipelined step (``m = pipeline_microbatches > 1``) runs its blocks on one pipeline
+  micro-batch (``T / m`` tokens) at a time: the block matmuls are ``m`` matmuls of ``T / m``
+  rows, and the per-op overhead is paid ``m`` times per step micro-batch, which the bubble
+  of :func:`recipes.roofline.step_time`, ``(r m + p - 1) / (r m)``, turns into once per
+  pipeline iteration (``r m + p - 1`` of them, each a chunk of ``L / (p r)`` layers).
+
   >>> from recipes.chips import get_chip
   >>> s = StepShape(rows=4, seq_q=2048, seq_k=2048, embed=2048, heads=16, kv_heads=8,
   ...               head_dim=128, mlp=8192, vocab=32768, layers=16, microbatches=1,
@@ -273,7 +283,9 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
   c, k, L, a, T = chip.cal, s.microbatches, s.layers, s.act_bytes, s.tokens
   hbm = c.hbm_efficiency * chip.hbm_bandwidth
   redo, _, redo_elementwise = RECOMPUTE[s.remat]
-  mm = {name: matmul_seconds(T, kk, n, a, chip) for name, (kk, n) in _block_matmuls(s).items()}
+  pm = max(1, s.pipeline_microbatches)
+  mm = {name: pm * matmul_seconds(T / pm, kk, n, a, chip)
+        for name, (kk, n) in _block_matmuls(s).items()}
   head = matmul_seconds(T, s.embed, s.vocab, a, chip)
   attn = attention_seconds(s, chip)
   elem = _elementwise_elems(s) * T * a / hbm
@@ -289,7 +301,7 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
           # fp32 logits written, read twice (max/logsumexp, the target's logit)
           "logits": k * T * s.vocab * 4 * 3 / hbm,
           "weights": k * s.gathered_params * (s.param_bytes + a) / hbm,   # the casts
-          "overhead": k * L * ops["forward"] * c.op_overhead_s,
+          "overhead": k * pm * L * ops["forward"] * c.op_overhead_s,
       },
       "backward": {
           "matmul": k * (L * (_backward_matmuls(mm) + recompute_mm)
@@ -299,8 +311,8 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
           "logits": k * T * s.vocab * (4 * 2 + a) / hbm,   # softmax - onehot, cast
           "weights": k * s.gathered_params * 2 * s.param_bytes / hbm,   # gradient writes
           "optimizer": s.local_params * s.param_bytes * (7 + (2 * k if k > 1 else 0)) / hbm,
-          "overhead": (k * L * (ops["backward"] + (ops["forward"] if redo_elementwise else 0))
-                       * c.op_overhead_s),
+          "overhead": (k * pm * L * (ops["backward"] + (ops["forward"] if redo_elementwise
+                                                       else 0)) * c.op_overhead_s),
       },
   }
   if c.fused_elementwise:   # XLA:TPU fuses them into the matmuls' operand and output reads

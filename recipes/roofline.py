@@ -38,9 +38,12 @@ PHASES = ("forward", "backward")
 
 def wire_bytes(kind: str, full_bytes: float, n: int) -> float:
   """Bytes one device sends in a ring ``kind`` over ``n`` devices of a ``full_bytes`` array
-  (for all-reduce: the array every device holds; gather/scatter: the full, unsharded one)."""
+  (for all-reduce: the array every device holds; gather/scatter: the full, unsharded one;
+  permute: the array each device sends its neighbour, all of it)."""
   if n <= 1:
     return 0.0
+  if kind == "permute":   # a ppermute sends its whole operand to one neighbour
+    return full_bytes
   frac = (n - 1) / n
   return 2 * full_bytes * frac if kind == "all-reduce" else full_bytes * frac
 
