@@ -158,7 +158,7 @@ def _pipeline_rows_problem(config, rules, amesh) -> str | None:
   rows = tuple(a for a in rows if a != stage)
   shards = math.prod(sizes[a] for a in rows)
   per_device = b // shards
-  if b % shards == 0 and per_device % (k * m) == 0:
+  if b % shards or per_device % (k * m) == 0:   # an uneven batch: train.run_problems says so
     return None
   pm = ("model.pipeline_microbatches=0 (one per stage: "
         f"{m})" if not config.model.pipeline_microbatches else
