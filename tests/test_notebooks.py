@@ -33,6 +33,7 @@ KERNEL_ENV_DROP = ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "MPLBACKEND")
 # (conftest.py's `bitwise`): their kernel compiles with JAX's defaults, the others at -O0 like
 # the suite.
 BITWISE = ("05_haiku",)  # Haiku's eager init against the sharded, jitted one
+WARNING_LINE = re.compile(r"\b\w*Warning: ")   # how Python shows a warning on stderr
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -106,6 +107,13 @@ def test_notebook_executes(path, tmp_path, record_property, child_env):
   assert all(c.get("execution_count") for c in code), "some code cells did not run"
   errors = [o for c in code for o in c["outputs"] if o["output_type"] == "error"]
   assert not errors
+  # A reader sees no warning the notebook does not teach: its rules have a rule (a null one
+  # where replicated on purpose) for every logical name its models use. A notebook whose
+  # lesson is a warning catches it and prints it (``warnings.catch_warnings(record=True)``).
+  warned = [f"cell {i}: {line.strip()}" for i, c in enumerate(nb.cells) if c.cell_type == "code"
+            for o in c["outputs"] if o["output_type"] == "stream" and o["name"] == "stderr"
+            for line in o["text"].splitlines() if WARNING_LINE.search(line)]
+  assert not warned, f"{path.name} shows warnings a reader was not taught about: {warned}"
   # A notebook that draws a plot shows it (the inline backend produced a PNG).
   shows = sum("plt.show()" in _source(c) for c in code)
   pngs = sum("image/png" in o.get("data", {}) for c in code for o in c["outputs"])
