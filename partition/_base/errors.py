@@ -74,10 +74,15 @@ def did_you_mean(word: str, options: Iterable[str], *, cutoff: float = 0.6, n: i
   "no rule for 'mpl' (did you mean 'mlp'?)"
   >>> did_you_mean('lr', ['learning_rate', 'warmup_steps'], abbreviations=True)
   " (did you mean 'learning_rate'?)"
+  >>> did_you_mean('head_dim', ['heads', 'embed'])  # another name, not a typo of 'heads'
+  ''
   """
   word = str(word)
   options = [o for o in options if isinstance(o, str)]
-  close = difflib.get_close_matches(word, options, n=n, cutoff=cutoff)
+  # A near spelling of about the same length: 'head_dim' shares 'head' with 'heads' (a ratio
+  # above the cutoff) but is another name, not a typo of it.
+  close = [c for c in difflib.get_close_matches(word, options, n=n, cutoff=cutoff)
+           if abs(len(c) - len(word)) <= max(2, len(word) // 3)]
   if not close and word and abbreviations:
     initials = [o for o in options if "".join(p[:1] for p in o.split("_")) == word]
     prefixed = [o for o in options if len(word) >= 2 and o.startswith(word)]
