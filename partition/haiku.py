@@ -303,7 +303,8 @@ def _placed(api: str, transformed: Any, rng: Any, args: tuple, kwargs: dict, *, 
                stack_axis=stack_axis, static_argnums=static_argnums, rules=rules, mesh=mesh,
                concrete=concrete)
   shardings = _adapt.place(t.out, t.axes, rules, mesh, strict=strict, api=api,
-                           path_match=t.matching.path_match(t.named(t.axes)), named=t.named)
+                           path_match=t.matching.path_match(t.named(t.axes)), named=t.named,
+                           depth=1)
   return t, shardings, rules, mesh
 
 

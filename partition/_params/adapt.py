@@ -160,18 +160,20 @@ def shardings_for(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh) -> Any:
 
 
 def place(tree: Any, axes: Any, rules: AxisRules, mesh: AnyMesh, *, strict: bool, api: str,
-          path_match: PathMatch | None = None, named: Any = None) -> Any:
+          path_match: PathMatch | None = None, named: Any = None, depth: int = 0) -> Any:
   """:func:`shardings_for`, audited (one strict error, or the fallback warnings).
 
   ``named`` (optional) maps a tree of ``tree``'s structure to the one the audit reports on
-  (Haiku's ``(params, state)`` become ``params/...`` and ``state/...``).
+  (Haiku's ``(params, state)`` become ``params/...`` and ``state/...``). The warnings name
+  the line that called the public entry point, which calls this directly (``depth=0``) or
+  through ``depth`` helpers of its own.
   """
   if not isinstance(strict, bool):
     raise AdapterInputError(f"{api}(strict=...) takes True or False, got {short(strict)}.")
   shardings = shardings_for(tree, axes, rules, mesh)
   rename = named or (lambda t: t)
   audit_placement(unbox(rename(tree)), rename(axes), rename(shardings), rules, mesh,
-                  strict=strict, api=api, path_match=path_match)
+                  strict=strict, api=api, path_match=path_match, stacklevel=4 + depth)
   return shardings
 
 

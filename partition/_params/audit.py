@@ -102,7 +102,7 @@ class ReplicatedWarning(PartitionWarning):
 def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: AxisRules,
                     mesh: AnyMesh, *, strict: bool, api: str,
                     path_match: PathMatch | None = None,
-                    warn_bytes: int = WARN_BYTES) -> None:
+                    warn_bytes: int = WARN_BYTES, stacklevel: int = 4) -> None:
   """Checks a resolved placement; raises (strict) or warns (replicated) as described above.
 
   Args:
@@ -120,6 +120,9 @@ def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: 
     path_match: the :class:`partition.PathMatch` of the path table, if one was used; in
       strict mode its unmatched paths and unused patterns are problems too.
     warn_bytes: warn only if a replicated parameter has at least this many bytes.
+    stacklevel: the frame the warnings name, counted from this function as
+      ``warnings.warn`` counts (default 4: the user's call of an adapter's ``init_sharded``
+      that calls ``adapt.place``, which calls this).
 
   Raises:
     PlacementError: with ``strict=True`` on any problem; in both modes for a
@@ -160,8 +163,8 @@ def audit_placement(abstract_tree: Any, axes_tree: Any, specs_tree: Any, rules: 
   if not strict and math.prod(sizes.values()) > 1:
     # Named dims left replicated for want of a rule or a divisor: one warning per cause,
     # whatever the size. Replicated by a null rule (data_parallel): on purpose, silent.
-    warn_fallbacks(api, resolutions, rules, stacklevel=4)
-    _warn(api, replicated, rules, sizes, warn_bytes)
+    warn_fallbacks(api, resolutions, rules, stacklevel=stacklevel)
+    _warn(api, replicated, rules, sizes, warn_bytes, stacklevel + 1)
 
 
 def _names_any(axes: Any) -> bool:
@@ -288,7 +291,7 @@ def _reason(axes: Any, res: Resolution | None, rules: AxisRules) -> str:
 
 
 def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int],
-          warn_bytes: int) -> None:
+          warn_bytes: int, stacklevel: int) -> None:
   if not any(_nbytes(leaf) >= warn_bytes for _, leaf, _, _ in replicated):
     return
   replicated = sorted(replicated, key=lambda r: -_nbytes(r[1]))
@@ -307,7 +310,7 @@ def _warn(api: str, replicated: list, rules: AxisRules, sizes: Mapping[str, int]
       bullets=bullets,
       fix="Add rules for those names, give the parameters logical axes "
           "(param_axes=partition.PathRules([...])), or pass strict=True to make this an "
-          "error."), ReplicatedWarning, stacklevel=3)
+          "error."), ReplicatedWarning, stacklevel=stacklevel)
 
 
 def _raise(api: str, strict: bool, problems: list[str], mesh: AnyMesh, fix: str) -> None:

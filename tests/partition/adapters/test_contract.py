@@ -235,6 +235,7 @@ def test_never_silently_replicated_in_all_three(framework):
   assert "logical axis 'mlp' has no rule, so" in text
   assert "(and 2 more array(s) for the same reason)" in text
   assert "Add a rule for 'mlp'" in text
+  assert caught[0].filename == __file__  # the init_sharded call, not the adapter's code
   with pytest.raises(partition.PlacementError, match=r"logical axis 'mlp' has no rule") as e:
     _init_big(framework, mesh, strict=True)
   # Three parameters name 'mlp' (two kernels, one bias): one bullet each, one error.
@@ -261,8 +262,10 @@ def test_strict_refuses_parameters_that_declare_no_axes_in_all_three(framework):
   """strict=True dropped the replicated warning and raised nothing, though the warning says
   "pass strict=True to make this an error": the kernel was placed P() without a word."""
   mesh = make_mesh((2, 2, 2), ("data", "fsdp", "tensor"), AxisType.Auto)
-  with pytest.warns(partition.ReplicatedWarning, match="or pass strict=True to make this an error"):
+  with pytest.warns(partition.ReplicatedWarning,
+                    match="or pass strict=True to make this an error") as caught:
     _init_undeclared(framework, mesh, strict=False)
+  assert [w.filename for w in caught] == [__file__]
   with pytest.raises(partition.PlacementError) as e:
     _init_undeclared(framework, mesh, strict=True)
   kernel = {"linen": "params/kernel", "nnx": "kernel", "haiku": "linear/w"}[framework]
