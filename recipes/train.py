@@ -288,7 +288,31 @@ def _pipeline_problems(config: TrainConfig, rules, mesh) -> list[str]:
     problems.append(f"model.pipeline_microbatches={micro} is fewer than the {stages} pipeline "
                     f"stages (mesh {stage}={stages}): every stage needs a micro-batch in "
                     f"flight; use model.pipeline_microbatches={stages} or more (0 = {stages})")
+  problems += _pipeline_rows_problems(config, rules, mesh, stage, micro or stages)
   return problems
+
+
+def _pipeline_rows_problems(config: TrainConfig, rules, mesh, stage: str, m: int) -> list[str]:
+  """Each device pipelines its own rows (``partition.pipeline``): a step's micro-batch must
+  split into ``m`` pipeline micro-batches of whole rows on every device of the batch's mesh
+  axes (else a MicrobatchError when the step is traced). An uneven batch is the batch
+  check's own line."""
+  rows = tuple(a for a in _batch_mesh_axes(rules, config, mesh) if a != stage)
+  shards = math.prod(mesh.shape[a] for a in rows)
+  k, b = effective_microbatches(config, rules), config.batch_size
+  per_device = b // shards
+  if b % shards or per_device % (k * m) == 0:
+    return []
+  pm = (f"model.pipeline_microbatches=0 (one per stage: {m})"
+        if not config.model.pipeline_microbatches else f"model.pipeline_microbatches={m}")
+  fits = [q for q in range(mesh.shape[stage], per_device // k + 1) if (per_device // k) % q == 0]
+  multiple = shards * k * m
+  return [f"batch_size={b} over {shards} device(s) (mesh axes {rows or '()'}) is {per_device} "
+          f"row(s) per device, which do not split into microbatches={k} x {pm} pipeline "
+          f"micro-batches of whole rows: use a batch_size that is a multiple of {multiple} "
+          f"(e.g. batch_size={multiple * max(1, b // multiple)})"
+          + (f", or model.pipeline_microbatches in {fits}" if fits else "")
+          + (", or fewer microbatches" if k > 1 else "")]
 
 
 def warmup_length(config: TrainConfig) -> int:
@@ -574,11 +598,13 @@ def train(config: TrainConfig, *, progress: bool | str = True, out=None,
       "param_bytes_total": sum(x.nbytes for x in jax.tree.leaves(run.state["params"])),
       "out_dir": str(out_dir),
   }
+  stage = partition.stage_axis(run.rules, run.mesh)
+  if stage is not None and config.model.scan_layers:   # a pipelined run (_pipeline_problems)
+    stages = run.mesh.shape[stage]
+    summary["pipeline"] = report.pipeline_fields(
+        stages, config.model.pipeline_microbatches or stages, config.model.pipeline_repeats)
   if primary:
-    report.write_json(out_dir / "summary.json", summary)
-    if config.plot:
-      report.plot_losses(metrics_log.records, out_dir / "loss.png")
-    report.print_summary(summary, out)
+    summary = report.finish(summary, metrics_log.records, out_dir, plot=config.plot, out=out)
   return summary
 
 

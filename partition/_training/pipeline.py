@@ -536,8 +536,9 @@ def _check_counts(plan: PipelineShape, x, api: str) -> None:
     raise LayerCountError(format_message(
         f"{api}: {n} layers do not split into {p} stages x {r} repeats = {p * r} equal "
         "chunks.", context=context,
-        fix=f"Use a layer count divisible by {p * r}, or repeats in {options or '(none)'} "
-            f"for {p} stages, or a stage axis whose size divides {n}."))
+        fix=f"Use a layer count divisible by {p * r}"
+            + (f", or repeats in {options} for {p} stages" if options else "")
+            + f", or a stage axis whose size divides {n}."))
   if not isinstance(m, int) or m < p:
     with_p = pipeline_bubble(p, p, r)
     bubble = f"{pipeline_bubble(p, m, r):.0%}" if isinstance(m, int) and m > 0 else "all"
@@ -556,8 +557,9 @@ def _check_counts(plan: PipelineShape, x, api: str) -> None:
     raise MicrobatchError(format_message(
         f"{api}: a batch of {batch} rows does not split into {m} micro-batches.",
         context=context,
-        fix=f"Use a batch divisible by {m}, or microbatches in "
-            f"{[q for q in range(p, batch + 1) if batch % q == 0] or '(none)'}."))
+        fix=f"Use a batch divisible by {m}"
+            + (f", or microbatches in {fits}" if (fits := [
+                q for q in range(p, batch + 1) if batch % q == 0]) else "") + "."))
 
 
 def _row_axes(plan: PipelineShape, x, rules, mesh, batch_axis: str, layers_axis: str,
@@ -584,9 +586,9 @@ def _row_axes(plan: PipelineShape, x, rules, mesh, batch_axis: str, layers_axis:
         "leave their devices every iteration.",
         context=[f"stage axis {plan.stage_axis!r}: {plan.stages} stages, microbatches="
                  f"{plan.microbatches}; {per_device} rows per device"],
-        fix=f"Use microbatches in {fits or '(none)'} (dividing the {per_device} rows per "
-            f"device, at least {plan.stages}), or a batch of {plan.microbatches * shards} x N "
-            "rows."))
+        fix="Use " + (f"microbatches in {fits} (dividing the {per_device} rows per device, "
+                      f"at least {plan.stages}), or " if fits else "")
+            + f"a batch of {plan.microbatches * shards} x N rows."))
   shared = {a for name, value in rules.pairs if name not in (batch_axis, layers_axis)
             for a in (value or ()) if isinstance(a, str)}
   return tuple(a for a in batch if a not in shared)

@@ -117,7 +117,7 @@ def refusals(config, c: Candidate) -> list[str]:
   """Why ``python -m recipes.train`` would refuse the candidate's config, one line each
   (``[]``: it runs): ``train.run_problems`` (the check train itself makes before it compiles:
   mesh axes, layer count over pipeline stages x repeats, ``scan_layers``, the batch over its
-  shards x micro-batches), and :func:`_pipeline_rows_problem`."""
+  shards x micro-batches and, pipelined, over the pipeline micro-batches per device)."""
   return _refusals_of(config, c.preset)(c.mesh_dict, c.microbatches)
 
 
@@ -134,42 +134,8 @@ def _refusals_of(config, preset: str):
     if rules is None:
       rules = train.make_rules(one)   # the same for every mesh and k (microbatches is set)
     amesh = jax.sharding.AbstractMesh(tuple(mesh.values()), tuple(mesh))
-    problems = train.run_problems(one, rules, amesh)
-    pipeline = _pipeline_rows_problem(one, rules, amesh)
-    return problems + ([pipeline] if pipeline else [])
+    return train.run_problems(one, rules, amesh)
   return check
-
-
-def _pipeline_rows_problem(config, rules, amesh) -> str | None:
-  """A pipelined plan whose pipeline micro-batches would not split over the batch's devices
-  (``partition.pipeline`` raises ``MicrobatchError`` when the step is traced, and
-  ``train.run_problems`` does not check it yet): the ``batch_size / microbatches`` rows of a
-  step's micro-batch go through the pipeline as ``model.pipeline_microbatches`` (0: one per
-  stage) pipeline micro-batches, each of which must hold whole rows on every device of the
-  batch's mesh axes. ``None`` when it does, or without stages."""
-  import partition
-  stage = partition.stage_axis(rules, amesh)
-  if stage is None:
-    return None
-  sizes = dict(amesh.shape)
-  k, b = config.microbatches or 1, config.batch_size
-  m = config.model.pipeline_microbatches or sizes[stage]
-  rows, _ = plan_model.batch_groups(rules, sizes, b, config.seq_len)
-  rows = tuple(a for a in rows if a != stage)
-  shards = math.prod(sizes[a] for a in rows)
-  per_device = b // shards
-  if b % shards or per_device % (k * m) == 0:   # an uneven batch: train.run_problems says so
-    return None
-  pm = ("model.pipeline_microbatches=0 (one per stage: "
-        f"{m})" if not config.model.pipeline_microbatches else
-        f"model.pipeline_microbatches={m}")
-  fits = [q for q in range(sizes[stage], per_device // k + 1) if (per_device // k) % q == 0]
-  return (f"batch_size={b} over {shards} device(s) (mesh axes {rows or '()'}) is {per_device} "
-          f"row(s) per device, which do not split into microbatches={k} x {pm}) "
-          "pipeline micro-batches of whole rows: use a batch_size that is a multiple of "
-          f"{shards * k * m} (e.g. batch_size={shards * k * m * max(1, b // (shards * k * m))})"
-          + (f", or model.pipeline_microbatches in {fits}" if fits else "")
-          + (", or fewer microbatches" if k > 1 else ""))
 
 
 def _has_idle_axis(mesh: dict[str, int], signature) -> bool:

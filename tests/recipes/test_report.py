@@ -47,9 +47,6 @@ def test_the_summary_names_exactly_the_files_the_run_wrote(tmp_path, plot):
   assert _listed(printed) == left
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "needs recipes/train.py to end the run with report.finish(...) and put "
-    "report.pipeline_fields(p, m, r) into the summary (see recipes/report.py)"))
 def test_a_pipelined_run_states_its_schedule_and_bubble_and_records_its_files(tmp_path):
   out = tmp_path / "run"
   summary, printed = _train(out, *PIPELINE)

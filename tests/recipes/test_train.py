@@ -181,6 +181,13 @@ MISTAKES = {  # overrides -> what the message must say (the key and the fix)
          "model.num_layers=4", "model.pipeline_microbatches=2"], [
             "model.pipeline_microbatches=2 is fewer than the 4 pipeline stages",
             "use model.pipeline_microbatches=4 or more"]),
+    "pipeline micro-batches that split a device's rows": (
+        ["preset=pipeline_parallel", "mesh={data: 2, stage: 4}", "model.scan_layers=true",
+         "model.num_layers=4", "batch_size=16", "microbatches=1",
+         "model.pipeline_microbatches=6"], [
+            "batch_size=16 over 2 device(s) (mesh axes ('data',)) is 8 row(s) per device",
+            "microbatches=1 x model.pipeline_microbatches=6 pipeline micro-batches",
+            "a multiple of 12 (e.g. batch_size=12)", "model.pipeline_microbatches in [4, 8]"]),
 }
 
 
