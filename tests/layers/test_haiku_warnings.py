@@ -11,13 +11,18 @@ import layers.haiku
 import partition
 
 
-def test_missing_rules_warn_once_per_cause_not_once_per_parameter():
+def _stacked_transformer():
+  """A scanned two-layer Haiku Transformer, its params, tokens and a data x tensor mesh."""
   cfg = layers.TransformerConfig(vocab_size=32, embed_dim=16, mlp_dim=32, num_heads=2,
                                  num_kv_heads=1, head_dim=8, num_layers=2, scan_layers=True)
   f = hk.transform(lambda t: layers.haiku.Transformer(cfg)(t))
   tokens = jnp.zeros((8, 4), jnp.int32)
-  params = f.init(jax.random.key(0), tokens)
   mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  return f, f.init(jax.random.key(0), tokens), tokens, mesh
+
+
+def test_missing_rules_warn_once_per_cause_not_once_per_parameter():
+  f, params, tokens, mesh = _stacked_transformer()
   rules = partition.AxisRules([("batch", "data"), ("embed", None), ("mlp", "tensor"),
                                ("heads", "tensor"), ("kv_heads", None), ("vocab", None),
                                ("length", None)])   # no rule for 'layers' or 'head_dim'
@@ -37,12 +42,7 @@ def test_missing_rules_warn_once_per_cause_not_once_per_parameter():
 
 
 def test_complete_rules_declare_quietly():
-  cfg = layers.TransformerConfig(vocab_size=32, embed_dim=16, mlp_dim=32, num_heads=2,
-                                 num_kv_heads=1, head_dim=8, num_layers=2, scan_layers=True)
-  f = hk.transform(lambda t: layers.haiku.Transformer(cfg)(t))
-  tokens = jnp.zeros((8, 4), jnp.int32)
-  params = f.init(jax.random.key(0), tokens)
-  mesh = jax.make_mesh((4, 2), ("data", "tensor"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  f, params, tokens, mesh = _stacked_transformer()
   rules = partition.AxisRules([("batch", "data"), ("embed", None), ("mlp", "tensor"),
                                ("heads", "tensor"), ("kv_heads", None), ("vocab", None),
                                ("length", None), ("layers", None), ("head_dim", None)])
