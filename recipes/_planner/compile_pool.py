@@ -3,7 +3,13 @@
 JAX fixes the device count of a process when its backend starts, so the plans are compiled
 in a child process that has N devices: :func:`compile_many` writes the configs to a job file
 and runs ``python -m recipes.plan --compile-worker JOB``, whose :func:`run_worker` compiles
-each one (:func:`compile_step`) and prints one ``RESULT {json}`` line per config.
+each one (:func:`compile_step`), printing ``START key`` before it and one ``RESULT {json}``
+line after it.
+
+XLA can abort the whole process on a plan it cannot compile (a C++ check failure, e.g.
+XLA:CPU's AllReducePromotion on a bf16 pipeline). A worker that dies that way takes only the
+config it had started with it: :func:`compile_many` records that config as failed
+(:func:`crash_error`) and starts a fresh worker for the configs it had not reached.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -22,6 +29,9 @@ from recipes._planner.candidates import PlanError, abstract_run, config_yaml
 
 MAX_COMPILE_DEVICES = 512      # virtual CPU devices one compile may ask for
 _RESULT = "RESULT "            # the prefix of a worker's result lines on its stdout
+_START = "START "              # ... and of the line it prints before compiling a config
+# a test hook: the worker aborts (as XLA's check failures do) before compiling this key
+CRASH_ENV = "RECIPES_PLAN_WORKER_ABORT_ON"
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -67,6 +77,9 @@ def run_worker(path: str) -> int:
   jax.config.update("jax_num_cpu_devices", job["devices"])
   from recipes.config import load_config
   for key, text in job["configs"].items():
+    print(_START + key, flush=True)
+    if os.environ.get(CRASH_ENV) == key:
+      os.abort()
     tmp = pathlib.Path(path).with_suffix(".one.yaml")
     tmp.write_text(text)
     try:
@@ -77,29 +90,83 @@ def run_worker(path: str) -> int:
   return 0
 
 
-def compile_many(configs: dict[str, Any], devices: int, on_done=None) -> dict[str, dict]:
-  """Compiles ``{key: config}`` in one subprocess with ``devices`` virtual CPU devices;
-  ``on_done()`` after each."""
+def compile_many(configs: dict[str, Any], devices: int, on_done=None,
+                 labels: dict[str, str] | None = None) -> dict[str, dict]:
+  """Compiles ``{key: config}`` in a subprocess with ``devices`` virtual CPU devices;
+  ``on_done()`` after each. A worker that dies while compiling a config (an XLA crash)
+  fails that config alone (``{"error": ...}``, named by ``labels[key]``, else the key) and
+  a fresh worker compiles the rest.
+
+  Raises:
+    PlanError: a worker died before it started any config (it cannot start at all).
+  """
   results: dict[str, dict] = {}
-  if not configs:
-    return results
+  labels = labels or {}
+  pending = {k: config_yaml(c) for k, c in configs.items()}
   with tempfile.TemporaryDirectory() as tmp:
-    job = pathlib.Path(tmp) / "job.json"
-    job.write_text(json.dumps({"devices": devices,
-                               "configs": {k: config_yaml(c) for k, c in configs.items()}}))
+    while pending:
+      started, code, err = _run_worker_process(pending, devices, pathlib.Path(tmp), results,
+                                               on_done)
+      if code == 0 and not pending:
+        break
+      if started is None or started not in pending:
+        raise PlanError(f"the compile worker failed ({_exit_text(code)}) before compiling a "
+                        f"plan:\n{err[-2000:]}")
+      pending.pop(started)
+      results[started] = {"error": crash_error(labels.get(started, started), code, err),
+                          "crashed": code}
+      if on_done:
+        on_done()
+  return results
+
+
+def _run_worker_process(pending: dict[str, str], devices: int, tmp: pathlib.Path,
+                        results: dict[str, dict], on_done) -> tuple[str | None, int, str]:
+  """One worker over ``pending`` (``{key: yaml}``); each result moves from ``pending`` to
+  ``results``. Returns the key it last started, its exit code and its stderr."""
+  job, log = tmp / "job.json", tmp / "worker.err"
+  job.write_text(json.dumps({"devices": devices, "configs": pending}))
+  started = None
+  with log.open("w+") as stderr:   # a file, not a pipe: a long trace cannot block the worker
     proc = subprocess.Popen([sys.executable, "-m", "recipes.plan", "--compile-worker",
-                             str(job)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             str(job)], stdout=subprocess.PIPE, stderr=stderr,
                             text=True, env=_worker_env(), cwd=_REPO)
     for line in proc.stdout:
-      if line.startswith(_RESULT):
+      if line.startswith(_START):
+        started = line[len(_START):].strip()
+      elif line.startswith(_RESULT):
         r = json.loads(line[len(_RESULT):])
-        results[r.pop("key")] = r
+        results[r["key"]] = {k: v for k, v in r.items() if k != "key"}
+        pending.pop(r["key"], None)
         if on_done:
           on_done()
-    err = proc.stderr.read()
-    if proc.wait() != 0:
-      raise PlanError(f"the compile worker failed (exit {proc.returncode}):\n{err[-2000:]}")
-  return results
+    code = proc.wait()
+    stderr.seek(0)
+    return started, code, stderr.read()
+
+
+def crash_error(label: str, code: int, stderr: str) -> str:
+  """The failure of a config whose compile killed the worker: what died and how, that it is
+  XLA's crash and not the config's mistake, and XLA's last message (stack frames dropped)."""
+  last = [line.strip() for line in stderr.splitlines()
+          if line.strip() and not line.lstrip().startswith("@")
+          and not line.startswith("*** ")][-3:]
+  return "\n".join([
+      f"WorkerCrash: the compile worker died ({_exit_text(code)}) while compiling {label}.",
+      "  This is a crash inside XLA:CPU's compiler, not a mistake in the config (it passed "
+      "python -m recipes.train's checks); a GPU or TPU compiler may compile it.",
+      *(f"  XLA: {line}" for line in last),
+      "The other plans were compiled in a fresh worker. To compile this one, try another "
+      "model.dtype or JAX version."])
+
+
+def _exit_text(code: int) -> str:
+  if code < 0:
+    try:
+      return f"killed by signal {-code}, {signal.Signals(-code).name}"
+    except ValueError:
+      return f"killed by signal {-code}"
+  return f"exit code {code}"
 
 
 def _worker_env() -> dict[str, str]:

@@ -42,12 +42,13 @@ _RIGHT = ("#", "k", "memory/device", "step time", "MFU", "roofline", "measured s
           "measured memory")
 
 
-def render(found: Search, chip, devices: int, hosts: int, top: int, out=sys.stdout) -> None:
-  """The ranked rich table (the first ``top`` plans) and a one-line summary."""
+def render(found: Search, chip, devices: int, hosts: int, top: int, out=None) -> None:
+  """The ranked rich table (the first ``top`` plans) and a one-line summary (on ``out``,
+  default the current ``sys.stdout``, not the one at import)."""
   from rich.console import Console
   from rich.markup import escape
   from rich.table import Table
-  console = Console(file=out, width=220)
+  console = Console(file=out or sys.stdout, width=220)
   table = Table(title=f"plans for {devices} x {chip.name} ({hosts} host domain"
                       f"{'s' if hosts > 1 else ''}), best first")
   measured = any(r.measured for r in found.results[:top])

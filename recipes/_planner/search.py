@@ -230,7 +230,7 @@ def search(config, *, devices: int, chip, hosts: int | None = None,
   fresh = [c for c in chosen if keys[c] not in cache.data]
   cached = [c for c in cands if keys[c] in cache.data and c not in fresh]
   _compile_into(cache, {keys[c]: candidate_config(config, c) for c in fresh}, devices,
-                progress)
+                progress, {keys[c]: c.label() for c in fresh})
   results.update({c: price(c, cache.good(keys[c])) for c in cands if cache.good(keys[c])})
   failed = {}
   for c in chosen:
@@ -296,13 +296,16 @@ def _screen(config, params, cands: Sequence[Candidate], chip, hosts: int,
   return estimates
 
 
-def _compile_into(cache: Cache, configs: dict[str, Any], devices: int, progress: bool) -> None:
-  """Compiles ``{key: config}`` (nothing if empty) and stores the results in ``cache``."""
+def _compile_into(cache: Cache, configs: dict[str, Any], devices: int, progress: bool,
+                  labels: dict[str, str]) -> None:
+  """Compiles ``{key: config}`` (nothing if empty) and stores the results in ``cache``
+  (a config that crashed the compile worker as a failure, named by ``labels``)."""
   if not configs:
     return
   with _progress(progress) as bar:
     task = bar.add_task(f"compiling for {devices} CPU devices", total=len(configs))
-    fresh = compile_many(configs, devices, on_done=lambda: bar.advance(task))
+    fresh = compile_many(configs, devices, on_done=lambda: bar.advance(task),
+                         labels=labels)
   cache.data.update(fresh)
   cache.save()
 
