@@ -26,7 +26,8 @@ one decoder block and the head, and prices each op class by how it runs:
 * **per-op overhead**: ``op_overhead_s`` per kernel (launch and ramp; :data:`OPS_PER_LAYER`
   kernels per block and micro-batch), which is what small micro-batches and many layers pay.
 
-The pipeline bubble and the collectives are combined in :func:`recipes.roofline.step_time`.
+A pipeline's bubble multiplies the block stack's terms only (:func:`step_terms`); the
+collectives are combined with the terms in :func:`recipes.roofline.step_time`.
 Every coefficient is a field of :class:`recipes.chips.Calibration` with its source.
 
 >>> import layers
@@ -136,6 +137,11 @@ class StepShape:
     pipeline_microbatches: ``m``, the pipeline micro-batches a step micro-batch is split
       into when the layers are pipelined over stages (1: no pipeline): each block runs once
       per pipeline micro-batch, on ``tokens / m`` tokens.
+    bubble: the pipeline's factor ``(r m + p - 1) / (r m)`` on the block stack (1: no
+      pipeline): ``r m + p - 1`` iterations of which ``r m`` do a block's useful work.
+    pipelined_params: of ``gathered_params``, the elements of the stacked layers the
+      pipeline's loop runs (their casts and gradient writes take the bubble; the embedding
+      and the head's do not); ``None``: all of them.
   """
 
   rows: float
@@ -160,6 +166,8 @@ class StepShape:
   experts: float = 0.0
   expert_slots: float = 0.0
   pipeline_microbatches: int = 1
+  bubble: float = 1.0
+  pipelined_params: float | None = None
 
   @property
   def tokens(self) -> float:
@@ -263,13 +271,18 @@ def _elementwise_elems(s: StepShape) -> float:
 
 def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
   """Per phase (``forward``, ``backward``; the optimizer update is in the backward), seconds
-  per op class for the whole step on one device (``k`` micro-batches, before the bubble).
+  per op class for the whole step on one device (``k`` micro-batches, a pipeline's bubble
+  included).
 
   A pipelined step (``m = pipeline_microbatches > 1``) runs its blocks on one pipeline
   micro-batch (``T / m`` tokens) at a time: the block matmuls are ``m`` matmuls of ``T / m``
-  rows, and the per-op overhead is paid ``m`` times per step micro-batch, which the bubble
-  of :func:`recipes.roofline.step_time`, ``(r m + p - 1) / (r m)``, turns into once per
-  pipeline iteration (``r m + p - 1`` of them, each a chunk of ``L / (p r)`` layers).
+  rows, and the per-op overhead is paid ``m`` times per step micro-batch; the ``bubble``
+  ``(r m + p - 1) / (r m)`` makes that once per pipeline iteration (``r m + p - 1`` of them,
+  each a chunk of ``L / (p r)`` layers). The bubble multiplies only what runs in the loop:
+  the block stack's matmuls, attention, elementwise ops, per-op overhead and its weights'
+  casts and gradient writes (``pipelined_params``). The head's matmul, the logits and the
+  cross-entropy, the embedding's weights and the optimizer update run once per step
+  micro-batch (the update once per step), outside the loop.
 
   >>> from recipes.chips import get_chip
   >>> s = StepShape(rows=4, seq_q=2048, seq_k=2048, embed=2048, heads=16, kv_heads=8,
@@ -293,26 +306,29 @@ def step_terms(s: StepShape, chip: Chip) -> dict[str, dict[str, float]]:
          for p in OPS_PER_LAYER}
   recompute_mm = sum(mm[n] for n in redo if n in mm)
   recompute_attn = attn["forward"] if _recomputes_attention(s) else 0.0
+  stack = s.bubble * L   # the block stack: its layers, each run r m + p - 1 times over r m
+  stacked = s.gathered_params if s.pipelined_params is None else s.pipelined_params
+  weights = s.bubble * stacked + (s.gathered_params - stacked)   # elements, bubble priced
   terms = {
       "forward": {
-          "matmul": k * (L * sum(mm.values()) + head),
-          "attention": k * L * attn["forward"],
-          "elementwise": k * L * elem,
+          "matmul": k * (stack * sum(mm.values()) + head),
+          "attention": k * stack * attn["forward"],
+          "elementwise": k * stack * elem,
           # fp32 logits written, read twice (max/logsumexp, the target's logit)
           "logits": k * T * s.vocab * 4 * 3 / hbm,
-          "weights": k * s.gathered_params * (s.param_bytes + a) / hbm,   # the casts
-          "overhead": k * pm * L * ops["forward"] * c.op_overhead_s,
+          "weights": k * weights * (s.param_bytes + a) / hbm,   # the casts
+          "overhead": k * pm * stack * ops["forward"] * c.op_overhead_s,
       },
       "backward": {
-          "matmul": k * (L * (_backward_matmuls(mm) + recompute_mm)
+          "matmul": k * (stack * (_backward_matmuls(mm) + recompute_mm)
                          + (3 if s.chunked_loss else 2) * head),
-          "attention": k * L * (attn["backward"] + recompute_attn),
-          "elementwise": k * L * elem * (2 + (1 if redo_elementwise else 0)),
+          "attention": k * stack * (attn["backward"] + recompute_attn),
+          "elementwise": k * stack * elem * (2 + (1 if redo_elementwise else 0)),
           "logits": k * T * s.vocab * (4 * 2 + a) / hbm,   # softmax - onehot, cast
-          "weights": k * s.gathered_params * 2 * s.param_bytes / hbm,   # gradient writes
+          "weights": k * weights * 2 * s.param_bytes / hbm,   # gradient writes
           "optimizer": s.local_params * s.param_bytes * (7 + (2 * k if k > 1 else 0)) / hbm,
-          "overhead": (k * pm * L * (ops["backward"] + (ops["forward"] if redo_elementwise
-                                                       else 0)) * c.op_overhead_s),
+          "overhead": (k * pm * stack * c.op_overhead_s
+                       * (ops["backward"] + (ops["forward"] if redo_elementwise else 0))),
       },
   }
   if c.fused_elementwise:   # XLA:TPU fuses them into the matmuls' operand and output reads

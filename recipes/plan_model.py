@@ -76,8 +76,10 @@ class Estimate:
     comm_phase: per phase, per group, ring bytes (how the group's bytes split over phases).
     comm_s: per phase, per group, seconds on the chip (hierarchical over DCN axes).
     shape: this device's share of the step (:class:`recipes.cost_model.StepShape`).
-    terms: per phase, seconds per op class on the chip (:func:`recipes.cost_model.step_terms`).
-    bubble: the pipeline's step-time factor ``(r m + p - 1) / (r m)`` (1 without stages).
+    terms: per phase, seconds per op class on the chip (:func:`recipes.cost_model.step_terms`;
+      a pipeline's bubble already in the block stack's terms).
+    bubble: the pipeline's factor ``(r m + p - 1) / (r m)`` on the block stack (1 without
+      stages): the terms hold it, the saved activations are multiplied by it.
     attention_temp: bytes of attention scores held for the backward (every block's under
       ``none``) or in one block's backward, included in ``memory['activations']`` (0 for a
       fused kernel, which holds none).
@@ -316,15 +318,19 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   # useful FLOPs: top-k experts per token, no recompute, the unmasked half of causal attention
   active = expert_params * c.experts_per_token / experts if experts else 0.0
   model_flops = (6 * (matmul_params + active) + 3 * attn_flops / 2) * total_tokens
-  gathered_elems = sum(math.prod(p.shape) / size(
+  gathered_of = lambda ps: sum(math.prod(p.shape) / size(
       {ax for dd in (_spec_axes(rules.spec(p.axes, p.shape, amesh)) if _named(p) else [])
-       for ax in dd if mesh[ax] > 1} - batch_axes) for p in params)
+       for ax in dd if mesh[ax] > 1} - batch_axes) for p in ps)
+  gathered_elems = gathered_of(params)
+  # a pipeline runs the stacked layers in its loop, the rest (embedding, head) once
+  stacked_elems = gathered_of([p for p in params if p.axes and "layers" in p.axes])
   shape = cost_model.StepShape(
       rows=rows_mb, seq_q=seq_q, seq_k=seq_len, embed=d, heads=heads, kv_heads=kv,
       head_dim=hd, mlp=mlp, vocab=vocab, layers=local_layers, microbatches=k,
       act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
       gathered_params=gathered_elems, remat=remat, attention=impl, chunked_loss=bool(chunk),
-      experts=experts, expert_slots=slots, pipeline_microbatches=pipe.m if pipe else 1)
+      experts=experts, expert_slots=slots, pipeline_microbatches=pipe.m if pipe else 1,
+      bubble=pipe.bubble if pipe else 1.0, pipelined_params=stacked_elems if pipe else None)
   terms = cost_model.step_terms(shape, chip)
   bubble = pipe.bubble if pipe else 1.0
   # the experts' all-to-alls sit between the router and the experts' matmuls, as

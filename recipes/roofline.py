@@ -161,7 +161,7 @@ class StepTime:
     mfu: model FLOPs / (devices x peak x step time).
     terms: per phase, seconds per op class (``{}`` for the bare roofline).
     roofline_s: the bare roofline (datasheet peaks, perfect overlap): a lower bound.
-    bubble: the pipeline's factor on the step.
+    bubble: the pipeline's factor on its block stack (in ``terms``, not on the whole step).
     band: the relative uncertainty of ``step_s`` (the chip's calibration band; 0 for the
       bare roofline, which is a bound, not a prediction).
   """
@@ -200,8 +200,11 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
   computes), and two kinds do not and are added: those over an axis in ``dcn_axes`` (the
   gradient all-reduce across nodes or slices waits for the backward; MaxText's A3 rows
   drop 14-24 % from one node to several) and those over ``serial_axes`` (a tensor-parallel
-  all-reduce sits between two matmuls that need its result). The pipeline ``bubble``
-  multiplies the step.
+  all-reduce sits between two matmuls that need its result). A pipeline's bubble is in the
+  ``terms`` already, on the block stack alone (:func:`recipes.cost_model.step_terms`: the
+  head, the loss and the optimizer update run once, outside the stage loop), and the
+  collectives are counted as the schedule runs them (a stage hand-off per iteration), so
+  ``bubble`` is only recorded in the result.
 
   Args:
     flops: per phase, FLOPs one device executes.
@@ -213,7 +216,7 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
     terms: per phase, per op class, seconds (calibrated model) or ``None``.
     dcn_axes: mesh axes that span hosts (their collectives are not hidden).
     serial_axes: mesh axes whose collectives are on the critical path (not hidden).
-    bubble: the pipeline's factor ``(r m + p - 1) / (r m)``.
+    bubble: the pipeline's factor ``(r m + p - 1) / (r m)``, recorded (``terms`` hold it).
 
   >>> from recipes.chips import get_chip
   >>> t = step_time(flops={'forward': 1e12, 'backward': 2e12},
@@ -237,7 +240,7 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
                       frac * v if set(k.split(",")) & set(serial_axes) else 0.0
                       for k, v in by_axes[p].items()) for p in PHASES}
     hidden = {p: comm[p] - exposed[p] for p in PHASES}
-    step = bubble * sum(max(compute[p], hidden[p]) + exposed[p] for p in PHASES)
+    step = sum(max(compute[p], hidden[p]) + exposed[p] for p in PHASES)
     band = chip.cal.band if chip.cal else 0.0
   bound, axes, worst = "compute", "", 0.0
   for p in PHASES:
