@@ -466,14 +466,16 @@ class _MicrobatchSplit:
 def _prefix(axes_tree, tree, what: str, fix: str):
   """``(structure, axes leaves, subtrees of tree)`` for an axes tree that is a pytree prefix
   of ``tree``, or a GradSpecError saying which argument does not fit."""
-  structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes_leaf)
+  structure = None
   try:
+    structure = jax.tree_util.tree_structure(axes_tree, is_leaf=is_axes_leaf)
     subtrees = structure.flatten_up_to(tree)
-  except (ValueError, TypeError):
+  except (ValueError, TypeError) as e:
+    detail = str(e) if structure is None else prefix_mismatch(structure, tree)
     raise GradSpecError(format_message(
         f"value_and_grad: {what} is not a pytree prefix of the "
         f"{'batch' if what == 'batch_axes' else 'parameters'}.",
-        context=[f"details: {prefix_mismatch(structure, tree)}"], fix=fix)) from None
+        context=[f"details: {detail}"], fix=fix)) from None
   axes = structure.flatten_up_to(axes_tree) if structure.num_leaves else []
   return structure, axes, subtrees
 
