@@ -63,6 +63,7 @@ from partition._training.pipeline import PipelineShape as PipelineShape
 from partition._training.pipeline import StageAxisError as StageAxisError
 from partition._training.pipeline import pipeline as pipeline
 from partition._training.pipeline import pipeline_bubble as pipeline_bubble
+from partition._training.pipeline import pipeline_iterations as pipeline_iterations
 from partition._training.pipeline import stage_axis as stage_axis
 
 # --- old names, kept for one release (a DeprecationWarning names the new one) ---

@@ -240,19 +240,6 @@ def steps_text(summary: dict[str, Any]) -> str:
 OUTPUTS = ("metrics.jsonl", "summary.json", "loss.png", "checkpoints/")  # a run's files, in order
 
 
-def outputs_of(summary: dict[str, Any]) -> list[str]:
-  """The files of the run in ``summary['out_dir']``: ``summary['outputs']`` as
-  :func:`finish` recorded them, else those of :data:`OUTPUTS` that are there.
-
-  >>> outputs_of({'out_dir': '.', 'outputs': ['metrics.jsonl', 'summary.json']})
-  ['metrics.jsonl', 'summary.json']
-  """
-  if summary.get("outputs") is not None:
-    return list(summary["outputs"])
-  out_dir = pathlib.Path(summary["out_dir"])
-  return [name for name in OUTPUTS if (out_dir / name.rstrip("/")).exists()]
-
-
 def pipeline_fields(stages: int, microbatches: int, repeats: int = 1) -> dict[str, Any]:
   """The summary's ``pipeline`` entry for ``stages`` stages (``p``), ``microbatches``
   pipeline micro-batches (``m``) and ``repeats`` (``r``; 1 is GPipe): with the idle share of
@@ -261,9 +248,9 @@ def pipeline_fields(stages: int, microbatches: int, repeats: int = 1) -> dict[st
   >>> pipeline_fields(4, 8, 2)
   {'stages': 4, 'microbatches': 8, 'repeats': 2, 'iterations': 19, 'bubble': 0.15789473684210525}
   """
-  from partition import pipeline_bubble
+  from partition import pipeline_bubble, pipeline_iterations
   return {"stages": stages, "microbatches": microbatches, "repeats": repeats,
-          "iterations": repeats * microbatches + stages - 1,
+          "iterations": pipeline_iterations(stages, microbatches, repeats),
           "bubble": pipeline_bubble(stages, microbatches, repeats)}
 
 
@@ -298,9 +285,9 @@ def finish(summary: dict[str, Any], records: list[dict[str, Any]], out_dir: path
 
 
 def print_summary(summary: dict[str, Any], out) -> None:
-  """A one-screen summary of the run (rich table): its ``outputs`` row names the files of
-  :func:`outputs_of`, a pipelined run's ``pipeline`` entry (:func:`pipeline_fields`) gets a
-  row with the stages, micro-batches, repeats and bubble."""
+  """A one-screen summary of the run (rich table): its ``outputs`` row names the files
+  :func:`finish` recorded in ``summary['outputs']``, a pipelined run's ``pipeline`` entry
+  (:func:`pipeline_fields`) gets a row with the stages, micro-batches, repeats and bubble."""
   from rich.console import Console
   from rich.table import Table
 
@@ -322,7 +309,7 @@ def print_summary(summary: dict[str, Any], out) -> None:
       ("params per device", f"{_bytes(summary['param_bytes_per_device'])} of "
                             f"{_bytes(summary['param_bytes_total'])}"),
       ("optimizer state per device", _bytes(summary["optimizer_bytes_per_device"])),
-      ("outputs", f"{summary['out_dir']}/ ({', '.join(outputs_of(summary))})"),
+      ("outputs", f"{summary['out_dir']}/ ({', '.join(summary['outputs'])})"),
   ]
   if summary.get("pipeline"):
     rows.insert(3, ("pipeline", pipeline_text(summary["pipeline"])))

@@ -280,6 +280,10 @@ def test_plan_and_bubble():
   assert plan.iterations == 2 * 8 + 4 - 1
   assert plan.bubble == pytest.approx(3 / 19)
   assert partition.pipeline_bubble(4, 4) == pytest.approx(3 / 7)
+  # the loop trip count is the schedule's length (one row per iteration)
+  assert partition.pipeline_iterations(4, 8, 2) == len(plan.schedule()) == 19
+  assert partition.pipeline_iterations(4, 4) == len(
+      partition.PipelineShape("stage", 4, 1, 4, 4).schedule())
   # chunk c of the stack is on stage c mod p
   layers = [plan.stage_layers(s) for s in range(4)]
   assert layers[1] == (2, 3, 10, 11)
