@@ -28,7 +28,7 @@ import json
 import os
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 if __name__ == "__main__":
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -99,7 +99,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="search only this preset (repeatable)")
   parser.add_argument("--remat", action="append", default=None,
                       help=f"remat policies to search (default: {', '.join(DEFAULT_REMATS)})")
-  parser.add_argument("--max-microbatches", type=_positive_microbatches, default=8,
+  parser.add_argument("--max-microbatches", type=_microbatches, default=8,
                       metavar="K",
                       help="the most micro-batches per step to search (gradient accumulation, "
                            "the config's microbatches): 1, 2, 4, ... up to K, dividing the "
@@ -107,7 +107,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--compile", type=int, default=4, metavar="K", dest="compile_top",
                       help="compile the best K plans that fit the screen (default 4; 0: "
                            f"analytic only; never above {MAX_COMPILE_DEVICES} devices)")
-  parser.add_argument("--top", type=_positive_rows, default=15, metavar="K",
+  parser.add_argument("--top", type=_rows, default=15, metavar="K",
                       help="rows to show (and plans in --json), 1 or more (default 15)")
   parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
   parser.add_argument("--out", default=DEFAULT_OUT,
@@ -136,33 +136,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   return args
 
 
-def _positive_rows(value: str) -> int:
-  """``--top K``: K >= 1 (0 printed an empty table and exited 0, a negative K dropped rows
-  from the end)."""
-  try:
-    rows = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{value!r} is not a number of rows: use --top 1 or "
-                                     "more (default 15)") from None
-  if rows < 1:
-    raise argparse.ArgumentTypeError(f"{rows} shows no plans: use --top 1 or more (default "
-                                     "15)")
-  return rows
+def _at_least_one(option: str, unit: str, refusal: str, default: int,
+                  one: str = "") -> Callable[[str], int]:
+  """An argparse ``type`` for a count ``option`` that must be >= 1: a word that is not a
+  number, or a count below 1, is an argument error that says what the count would have done
+  (``refusal``) and the fix; ``one`` says what 1 means, where that helps."""
+  def parse(value: str) -> int:
+    try:
+      count = int(value)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{value!r} is not a number of {unit}: use {option} 1 "
+                                       f"or more (default {default})") from None
+    if count < 1:
+      raise argparse.ArgumentTypeError(f"{count} {refusal}: use {option} 1 or more "
+                                       f"({one + ', ' if one else ''}default {default})")
+    return count
+  parse.__name__ = option
+  return parse
 
 
-def _positive_microbatches(value: str) -> int:
-  """``--max-microbatches K``: K >= 1 (0 and negative counts searched no micro-batch count
-  at all, silently)."""
-  try:
-    k = int(value)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{value!r} is not a number of micro-batches: use "
-                                     "--max-microbatches 1 or more (default 8)") from None
-  if k < 1:
-    raise argparse.ArgumentTypeError(f"{k} allows no micro-batch count: use "
-                                     "--max-microbatches 1 or more (1: one micro-batch per "
-                                     "step, default 8)")
-  return k
+# --top 0 printed an empty table and exited 0; a negative K dropped rows from the end.
+_rows = _at_least_one("--top", "rows", "shows no plans", 15)
+# --max-microbatches 0 or below searched no micro-batch count at all, silently.
+_microbatches = _at_least_one("--max-microbatches", "micro-batches", "allows no micro-batch "
+                              "count", 8, one="1: one micro-batch per step")
 
 
 def _attention_override(overrides: list[str], flag: str | None) -> tuple[list[str], str | None]:
