@@ -38,6 +38,7 @@ from typing import Any
 import jax
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
+from partition._base.caller import outside_stacklevel
 from partition._base.errors import MeshError, did_you_mean, format_message, short
 from partition._base.logical_axes import path_str
 from partition._base.mesh import AnyMesh, axis_sizes
@@ -399,7 +400,8 @@ class AxisRules:
 
   def xmap_resources(self, names: Sequence[str], *, mesh: AnyMesh | None = None,
                      sizes: Mapping[str, int] | None = None,
-                     strict: bool = False) -> dict[str, tuple[Resource, ...]]:
+                     strict: bool = False,
+                     warn: bool = True) -> dict[str, tuple[Resource, ...]]:
     """Resources of xmap axes ``names``, resolved like the dims of one array.
 
     Loops (``SerialLoop`` and names bound by ``serial_loop``) are kept after the mesh
@@ -411,6 +413,8 @@ class AxisRules:
       mesh: the mesh, for the size-1 / missing-axis / divisibility checks.
       sizes: ``{name: size}`` of the axes whose size is known (positive ints).
       strict: raise on names without a rule, unknown mesh axes and indivisible sizes.
+      warn: give a ``PartitionWarning`` for a rule's mesh axis the mesh lacks and for an
+        axis no rule divides (``False`` for a caller that says so in its own terms).
 
     Example:
       >>> import partition
@@ -421,13 +425,15 @@ class AxisRules:
     api = "AxisRules.xmap_resources"
     _check_mesh(mesh, api)
     _check_flag(strict, "strict", api)
+    _check_flag(warn, "warn", api)
     names, size_list = _check_xmap_names(names, sizes, api)
     loops = named_loops()
     res = resolve(self.pairs, names, size_list, None if mesh is None else dict(
         axis_sizes(mesh)), strict=strict, loops=True, named_loops=loops)
-    if mesh is not None:
+    if warn and mesh is not None:
       _warn_absent_axes(res, mesh, loops)
-    _warn_indivisible_axes(res)
+    if warn:
+      _warn_indivisible_axes(res)
     return {d.logical: tuple(d.resources or ()) for d in res.dims}
 
 
@@ -443,7 +449,7 @@ def _warn_indivisible_axes(res: Resolution) -> None:
           fix=f"Make the size a multiple of the rule's mesh axes and loop lengths, add a "
               f"fallback rule for {d.logical!r} that divides it, or a null rule to leave it "
               "unplaced on purpose."),
-          PartitionWarning, stacklevel=7)
+          PartitionWarning, stacklevel=outside_stacklevel())
 
 
 def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) -> None:
@@ -460,7 +466,8 @@ def _warn_absent_axes(res: Resolution, mesh: AnyMesh, loops: Mapping[str, int]) 
             f"{tuple(absent)} that the mesh lacks, so it is not split over them.",
             context=[f"mesh axes: {dict(sizes)}"],
             fix="Add those axes to the mesh (size 1 says they are unused on purpose), or "
-                "drop them from the rule."), PartitionWarning, stacklevel=7)
+                "drop them from the rule."), PartitionWarning,
+            stacklevel=outside_stacklevel())
 
 
 # -- argument checks ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """AxisRules: construction, resolution (against flax linen's resolver), fallbacks, strict."""
 
 import pathlib
+import warnings
 
 import flax.linen as nn
 import jax
@@ -324,6 +325,26 @@ def test_xmap_resources_missing_axes_and_named_loops():
   with partition.serial_loop("loop", 2):
     assert rules.xmap_resources(["mb"], mesh=mesh, sizes={"mb": 4}) == {"mb": ("loop",)}
     assert rules.xmap_resources(["mb"], mesh=mesh, sizes={"mb": 3}) == {"mb": ()}
+
+
+def test_xmap_resources_warn_false_resolves_the_same_without_a_word():
+  """value_and_grad asks quietly (it warns about the batch leaf itself); a direct call's
+  warnings name the caller's line (they pointed into pytest's plugin machinery)."""
+  mesh = make_mesh((4, 2), ("data", "tensor"))
+  rules = AxisRules([("batch", ("data", "fsdp")), ("heads", SerialLoop(4))])
+  sizes = {"batch": 8, "heads": 6}
+  with warnings.catch_warnings(record=True) as loud:
+    warnings.simplefilter("always")
+    want = rules.xmap_resources(["batch", "heads"], mesh=mesh, sizes=sizes)
+  assert sorted(str(w.message).split(":")[0] for w in loud) == [
+      "xmap axis 'batch'", "xmap axis 'heads' (size 6) gets no resources"]
+  assert {w.filename for w in loud} == {__file__}
+  with warnings.catch_warnings(record=True) as quiet:
+    warnings.simplefilter("always")
+    got = rules.xmap_resources(["batch", "heads"], mesh=mesh, sizes=sizes, warn=False)
+  assert got == want == {"batch": ("data",), "heads": ()} and quiet == []
+  with pytest.raises(TypeError, match=r"xmap_resources\(warn=...\) takes True or False"):
+    rules.xmap_resources(["batch"], warn="no")
 
 
 # -- what the table asks for: mesh axes, serial loops ---------------------------------------
