@@ -42,7 +42,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -62,7 +61,7 @@ from partition._base.errors import (
 from partition._base.resources import SerialLoop
 from partition._params.optim import resolve_param_axes
 from partition._rules.context import axis_rules, current_rules, current_rules_mesh
-from partition._rules.fallbacks import PartitionWarning, warn_fallbacks
+from partition._rules.fallbacks import warn_fallbacks
 from partition._rules.table import AxisRules, is_axes_leaf
 from partition._training.reduce_once import SCHEDULES, reduce_once_step, uses_axes
 from partition._xmap.api import xmap
@@ -154,7 +153,7 @@ def value_and_grad(loss_fn: Callable, *, batch_axes: Any, param_axes: Any = None
 
   def step(params, batch, *rest):
     args = (params, batch, *rest)
-    settings.warn_batch_fallbacks(batch)
+    settings.check_batch(batch)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(args)):
       return settings.step(*args)
     params, batch = settings.place(params, batch)
@@ -182,8 +181,8 @@ class _Settings:
   batch_axis: str | None
   rng_argnums: tuple[int, ...]
   grad_reduction: str = "auto"
-  # (rules, mesh, batch structure and shapes) already checked by warn_batch_fallbacks
-  _warned: set = dataclasses.field(default_factory=set, compare=False, repr=False)
+  # (rules, mesh, batch structure and shapes) already checked by check_batch
+  _checked: set = dataclasses.field(default_factory=set, compare=False, repr=False)
 
   @property
   def rng_positions(self) -> list[int]:
@@ -195,24 +194,26 @@ class _Settings:
     mesh = current_rules_mesh(self.mesh) if rules is not None else _mesh.current_mesh(self.mesh)
     return rules, mesh
 
-  def warn_batch_fallbacks(self, batch) -> None:
-    """One ``PartitionWarning`` per batch dim the rules leave replicated for want of a rule
-    (a misspelt name) or a divisor: each device would then run the whole batch. Checked once
-    per rules, mesh and batch shapes; the warning points at the caller of the step."""
+  def check_batch(self, batch) -> None:
+    """Checks ``batch_axes`` against the batch (a GradSpecError or AxisSizeError before
+    anything is committed or traced), and gives one ``PartitionWarning`` per batch dim the
+    rules leave replicated for want of a rule (a misspelt name) or a divisor: each device
+    would then run the whole batch. Once per rules, mesh and batch shapes; the warning points
+    at the caller of the step."""
     rules, mesh = self.context()
     if rules is None or mesh is None:
       return
     leaves = jax.tree_util.tree_leaves_with_path(batch)
     key = (rules, mesh, jax.tree_util.tree_structure(batch),
            tuple(np.shape(x) for _, x in leaves))
-    if key in self._warned:
+    if key in self._checked:
       return
     split = _MicrobatchSplit.build(self, batch, rules, mesh)
     axes = jax.tree_util.tree_leaves(split.axes, is_leaf=is_axes_leaf)
     warn_fallbacks("partition.value_and_grad", [
         (f"batch{jax.tree_util.keystr(path)}", rules.resolve(a, np.shape(x), mesh))
         for (path, x), a in zip(leaves, axes)], rules, stacklevel=3)
-    self._warned.add(key)
+    self._checked.add(key)
 
   def place(self, params, batch):
     """Commits uncommitted concrete inputs to their shardings before the jitted step (the
@@ -221,7 +222,6 @@ class _Settings:
     rules, mesh = self.context()
     if rules is None or not isinstance(mesh, jax.sharding.Mesh):
       return params, batch
-    _MicrobatchSplit.build(self, batch, rules, mesh)  # validates batch_axes against the batch
     specs = _param_specs(self.param_axes, params, rules, mesh)
     params = jax.tree.map(lambda s, sub: _commit(sub, mesh, s), specs, params, is_leaf=_is_spec)
     axes = _broadcast_axes(self.batch_axes, batch)
@@ -501,9 +501,9 @@ def _batch_resources(name, size, axes_leaves, leaves, dims, rules, mesh):
   whose mesh axes and loops do not divide the batch falls back to the next one)."""
   if rules is None:
     return (), ()
-  with warnings.catch_warnings():  # warn_batch_fallbacks says it in the batch's terms
-    warnings.simplefilter("ignore", PartitionWarning)
-    resources = rules.xmap_resources([name], mesh=mesh, sizes={name: size}).get(name, ())
+  # warn=False: check_batch says it in the batch's terms (the leaf, not an "xmap axis")
+  resources = rules.xmap_resources([name], mesh=mesh, sizes={name: size},
+                                   warn=False).get(name, ())
   loops = tuple(r.length for r in resources if isinstance(r, SerialLoop))
   if mesh is None or not leaves:
     return (), loops
