@@ -5,15 +5,14 @@ the compiled figures a search reports against numbers worked out on paper for a 
 of a real run of the same plan, and the written config training.
 """
 
-import io
 import json
 import math
 import subprocess
 import sys
-from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from plan_testlib import TINY, plan_config, run_plan
 
 import layers
 import partition
@@ -21,12 +20,6 @@ from recipes import chips, plan, plan_model, roofline, train
 from recipes.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
-TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
-        "seq_len=8", "model.vocab_size=16"]
-
-
-def _config(*overrides):
-  return load_config(train.default_config_path(), TINY + list(overrides))
 
 
 def _rules(preset):
@@ -188,7 +181,7 @@ def test_compiled_ring_bytes_over_ici_and_dcn_axes_are_priced_hierarchically():
 def test_factorisations_and_distinct_candidates():
   assert sorted(plan.factorisations(8, 3)) == sorted(
       t for t in __import__("itertools").product([1, 2, 4, 8], repeat=3) if math.prod(t) == 8)
-  cfg = _config()
+  cfg = plan_config()
   params = plan.model_params(cfg)
   cands, _ = plan.candidates(cfg, params, ["data_parallel", "fsdp"], 8, ["none"], 1)
   # fsdp with fsdp=1 is data parallelism: kept once
@@ -196,22 +189,15 @@ def test_factorisations_and_distinct_candidates():
   assert (("data", 8), ("fsdp", 1)) not in [c.mesh for c in cands]
 
 
-def _cli(*argv):
-  out, err = io.StringIO(), io.StringIO()
-  with redirect_stdout(out), redirect_stderr(err):
-    code = plan.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
-
-
 def test_unknown_chip_exits_2_with_did_you_mean(tmp_path):
-  code, _, err = _cli("--devices", "8", "--chip", "tpu-v5x", "--out", str(tmp_path / "b.yaml"))
+  code, _, err = run_plan("--devices", "8", "--chip", "tpu-v5x", "--out", str(tmp_path / "b.yaml"))
   assert code == 2
   assert "--chip 'tpu-v5x' is not in the chip table (did you mean 'tpu-v5" in err
   assert "tpu-v5p" in err
 
 
 def test_devices_that_do_not_factor_the_batch_exit_2(tmp_path):
-  code, _, err = _cli("--devices", "7", "--chip", "v5e", "--preset", "fsdp", "--compile", "0",
+  code, _, err = run_plan("--devices", "7", "--chip", "v5e", "--preset", "fsdp", "--compile", "0",
                       "--out", str(tmp_path / "b.yaml"), *TINY)
   assert code == 2
   assert "no plan for 7 devices: preset fsdp: no factorisation of 7 over its mesh axes " \
@@ -219,7 +205,7 @@ def test_devices_that_do_not_factor_the_batch_exit_2(tmp_path):
 
 
 def test_unknown_preset_exits_2(tmp_path):
-  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--preset", "fdsp", "--compile", "0",
+  code, _, err = run_plan("--devices", "8", "--chip", "v5e", "--preset", "fdsp", "--compile", "0",
                       "--out", str(tmp_path / "b.yaml"), *TINY)
   assert code == 2 and "(did you mean 'fsdp'" in err
 
@@ -249,7 +235,7 @@ def test_no_plan_fits_exits_1_ranks_closest_first_and_leaves_no_stale_plan(tmp_p
   out = tmp_path / "best.yaml"
   out.write_text("# written by python -m recipes.plan --devices 8 --chip v5e (earlier)\n"
                  "preset: fsdp\n")
-  code, text, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "0", "--json",
+  code, text, err = run_plan("--devices", "8", "--chip", "v5e", "--compile", "0", "--json",
                          "--preset", "data_parallel", "--preset", "fsdp", "--remat", "full",
                          "--top", "50", "--out", str(out), "--cache", "", "--no-plot",
                          *TINY, *TOO_BIG)
@@ -266,7 +252,7 @@ def test_no_plan_fits_exits_1_ranks_closest_first_and_leaves_no_stale_plan(tmp_p
 def test_no_plan_fits_keeps_a_config_the_planner_did_not_write(tmp_path):
   out = tmp_path / "mine.yaml"
   out.write_text("preset: fsdp\n")
-  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "0", "--preset", "fsdp",
+  code, _, err = run_plan("--devices", "8", "--chip", "v5e", "--compile", "0", "--preset", "fsdp",
                       "--remat", "full", "--out", str(out), "--cache", "", "--no-plot",
                       *TINY, *TOO_BIG)
   assert code == 1 and out.read_text() == "preset: fsdp\n"
@@ -276,7 +262,7 @@ def test_no_plan_fits_keeps_a_config_the_planner_did_not_write(tmp_path):
 @pytest.mark.slow
 def test_analytic_search_json_and_outputs(tmp_path):
   out = tmp_path / "best.yaml"
-  code, text, _ = _cli("--devices", "8", "--chip", "h100", "--compile", "0", "--json",
+  code, text, _ = run_plan("--devices", "8", "--chip", "h100", "--compile", "0", "--json",
                        "--top", "3", "--out", str(out), "--cache", "", *TINY)
   assert code == 0
   doc = json.loads(text)
@@ -310,7 +296,7 @@ def _batch_bytes_per_device(devices):
 
 
 def _search_one(tmp_path, devices, preset):
-  cfg = _config()
+  cfg = plan_config()
   # attention='xla': the kernel the CPU compile runs, so its memory is the plan's figure;
   # one micro-batch: no loop in the step
   found = plan.search(cfg, devices=devices, chip=chips.get_chip("v5e"), presets=[preset],
@@ -414,7 +400,7 @@ def test_compiled_fsdp_tp_plan_against_the_real_run_at_8(tmp_path):
 @pytest.mark.slow
 def test_written_config_trains_unchanged(tmp_path):
   out = tmp_path / "best.yaml"
-  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "1", "--out", str(out),
+  code, _, err = run_plan("--devices", "8", "--chip", "v5e", "--compile", "1", "--out", str(out),
                       "--cache", str(tmp_path / "cache.json"), "--preset", "fsdp_tp",
                       "--remat", "none", *TINY, "steps=2", "eval_every=1",
                       "checkpoint_every=0", "plot=false")

@@ -3,11 +3,10 @@ ranking it gives (micro-batches that only save memory rank below), the overlap r
 attention override, and ``--measure`` (slow: it builds and runs plans on 8 CPU devices)."""
 
 import dataclasses
-import io
 import json
-from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
+from plan_testlib import TINY, run_plan
 
 import layers
 import partition
@@ -19,8 +18,6 @@ ONE_B = ["seq_len=2048", "batch_size=4", "model.vocab_size=32768", "model.embed_
          "model.mlp_dim=8192", "model.num_heads=16", "model.num_kv_heads=8",
          "model.head_dim=128", "model.num_layers=16", "model.max_len=2048",
          "model.dtype=bfloat16", "model.scan_layers=true"]
-TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
-        "seq_len=8", "model.vocab_size=16"]
 
 
 def _shape(**kw):
@@ -161,25 +158,18 @@ def test_microbatches_that_only_save_memory_rank_below():
   assert top.memory_source.startswith("analytic")
 
 
-def _cli(*argv):
-  out, err = io.StringIO(), io.StringIO()
-  with redirect_stdout(out), redirect_stderr(err):
-    code = plan.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
-
-
 def test_attention_flag_and_override(tmp_path):
   common = ["--devices", "8", "--chip", "h100", "--compile", "0", "--json", "--no-plot",
             "--out", str(tmp_path / "b.yaml"), "--cache", "", *TINY, "model.dtype=bfloat16",
             "model.head_dim=8"]
-  code, text, err = _cli(*common)
+  code, text, err = run_plan(*common)
   assert code == 0, err
   assert {p["attention"] for p in json.loads(text)["plans"]} == {"cudnn"}
-  code, text, _ = _cli(*common, "model.attention=xla")
+  code, text, _ = run_plan(*common, "model.attention=xla")
   assert {p["attention"] for p in json.loads(text)["plans"]} == {"xla"}
-  code, text, _ = _cli(*common, "--attention", "blockwise")
+  code, text, _ = run_plan(*common, "--attention", "blockwise")
   assert {p["attention"] for p in json.loads(text)["plans"]} == {"blockwise"}
-  code, _, err = _cli(*common, "--attention", "cudn")
+  code, _, err = run_plan(*common, "--attention", "cudn")
   assert code == 2 and "--attention 'cudn' is not an attention implementation " \
                        "(did you mean 'cudnn'" in err
 
@@ -191,7 +181,7 @@ def test_a_fused_kernel_the_planning_host_lacks_is_planned_for_the_chip(tmp_path
   common = ["--devices", "8", "--chip", "h100", "--json", "--no-plot", "--out", str(out),
             "--cache", "", "--preset", "fsdp", "--remat", "none", *TINY,
             "model.dtype=bfloat16", "model.head_dim=8", "model.attention=cudnn"]
-  code, text, err = _cli("--compile", "1", *common)
+  code, text, err = run_plan("--compile", "1", *common)
   assert code == 0, err
   report = json.loads(text)
   assert report["compile_failures"] == {}
@@ -201,13 +191,13 @@ def test_a_fused_kernel_the_planning_host_lacks_is_planned_for_the_chip(tmp_path
   assert sum(p["compiled"] is not None for p in report["plans"]) == 1
   assert load_config(out).model.attention == "cudnn"
   # A kernel the chip itself cannot run is the model's error, as training there would be.
-  code, _, err = _cli("--compile", "0", *common[:-1], "model.attention=cudnn",
+  code, _, err = run_plan("--compile", "0", *common[:-1], "model.attention=cudnn",
                       "model.dtype=float32")
   assert code == 2 and "cuDNN takes bfloat16/float16 only" in err
 
 
 def test_measure_needs_the_devices_it_plans_for(tmp_path):
-  code, _, err = _cli("--devices", "4", "--chip", "h100", "--compile", "0", "--no-plot",
+  code, _, err = run_plan("--devices", "4", "--chip", "h100", "--compile", "0", "--no-plot",
                       "--measure", "1", "--out", str(tmp_path / "b.yaml"), "--cache", "",
                       *TINY)
   assert code == 2
@@ -217,7 +207,7 @@ def test_measure_needs_the_devices_it_plans_for(tmp_path):
 
 @pytest.mark.slow
 def test_measure_prints_predicted_and_measured(tmp_path):
-  code, text, err = _cli("--devices", "8", "--chip", "h100", "--compile", "0", "--no-plot",
+  code, text, err = run_plan("--devices", "8", "--chip", "h100", "--compile", "0", "--no-plot",
                          "--measure", "2", "--measure-steps", "2", "--preset", "fsdp",
                          "--remat", "none", "--out", str(tmp_path / "b.yaml"), "--cache", "",
                          *TINY)

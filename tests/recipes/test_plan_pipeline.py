@@ -9,30 +9,25 @@ memory per device against the compile of the same plan on this process's 8 CPU d
 import io
 import json
 import math
-from contextlib import redirect_stderr, redirect_stdout
 
 import jax
+import plan_testlib
 import pytest
+from plan_testlib import run_plan
 
 import partition
 from recipes import chips, cost_model, plan, plan_model, roofline, train
 from recipes._planner.candidates import preset_rules
 from recipes.config import load_config
 
+# a stack of layers to cut into stages (the default recipe's, scanned)
 TINY = ["model.embed_dim=16", "model.mlp_dim=32", "batch_size=16", "seq_len=8",
         "model.vocab_size=16", "model.scan_layers=true"]
 V5E = chips.get_chip("v5e")
 
 
-def _config(*overrides):
-  return load_config(train.default_config_path(), TINY + list(overrides))
-
-
-def _cli(*argv):
-  out, err = io.StringIO(), io.StringIO()
-  with redirect_stdout(out), redirect_stderr(err):
-    code = plan.main(list(argv))
-  return code, out.getvalue(), err.getvalue()
+def plan_config(*overrides):
+  return plan_testlib.plan_config(*overrides, base=TINY)
 
 
 def _stages(c):
@@ -48,7 +43,7 @@ def test_every_pipelined_candidate_is_one_train_runs(overrides, any_pipelined):
   """By hand: L divisible by stages x repeats, and the batch rows of each device divisible
   by k step micro-batches x m pipeline micro-batches (partition.pipeline's MicrobatchError
   otherwise), and train's own check passes."""
-  cfg = _config(*overrides)
+  cfg = plan_config(*overrides)
   cands, _ = plan.candidates(cfg, plan.model_params(cfg), ["pipeline_parallel", "fsdp_pp"],
                              8, ["none"], 8)
   pipelined = [c for c in cands if _stages(c) > 1]
@@ -70,7 +65,7 @@ def test_a_pipeline_of_an_unscanned_stack_is_noted_as_scan_layers():
   """With model.scan_layers=false there is no stack to pipeline: the note says so (it said
   every plan was one an earlier preset gives)."""
   out = io.StringIO()
-  found = plan.search(_config("model.scan_layers=false", "model.num_layers=4"), devices=8,
+  found = plan.search(plan_config("model.scan_layers=false", "model.num_layers=4"), devices=8,
                       chip=V5E, presets=["data_parallel", "pipeline_parallel"],
                       remats=["none"], max_microbatches=1, compile_top=0)
   why = found.skipped["pipeline_parallel"]
@@ -81,7 +76,7 @@ def test_a_pipeline_of_an_unscanned_stack_is_noted_as_scan_layers():
 
 
 def test_pipeline_microbatch_refusal_names_both_config_keys():
-  cfg = _config("model.num_layers=2", "model.pipeline_microbatches=8")
+  cfg = plan_config("model.num_layers=2", "model.pipeline_microbatches=8")
   c = plan.Candidate("pipeline_parallel", (("data", 4), ("stage", 2)), 1, "none")
   (why,) = plan.refusals(cfg, c)
   assert "microbatches=1 x model.pipeline_microbatches=8" in why
@@ -92,7 +87,7 @@ def test_a_failed_compile_is_never_the_best(tmp_path):
   """A plan whose compile failed (here: a cached failure) ranks last and is not written;
   its warning keeps the mesh label (rich markup ate '[data4xstage2]') and the message's
   lines after the headline."""
-  cfg = _config("model.num_layers=4")
+  cfg = plan_config("model.num_layers=4")
   search = lambda cache: plan.search(cfg, devices=8, chip=V5E, presets=["pipeline_parallel"],
                                      remats=["none"], max_microbatches=1, compile_top=0,
                                      cache=cache)
@@ -119,7 +114,7 @@ def test_pipeline_overhead_is_paid_once_per_iteration():
   step's overhead seconds are iterations x layers per chunk x kernels per layer x the
   chip's per-op overhead (it was counted once per step micro-batch, m times too few)."""
   p, r, m, layers_ = 4, 2, 8, 16
-  cfg = _config(f"model.num_layers={layers_}", f"model.pipeline_repeats={r}",
+  cfg = plan_config(f"model.num_layers={layers_}", f"model.pipeline_repeats={r}",
                 f"model.pipeline_microbatches={m}")
   params = plan.model_params(cfg)
   rules = preset_rules(cfg, "pipeline_parallel")
@@ -152,7 +147,7 @@ def test_the_bubble_multiplies_the_block_stack_not_the_head_or_the_update():
   AdamW update, which run once per step outside the stage loop; the stage hand-offs are
   counted per iteration already and are not multiplied either. Worked on paper from
   ``matmul_seconds`` and ``attention_seconds`` (it was the bubble times the whole step)."""
-  cfg = load_config(train.default_config_path(), SMALL)
+  cfg = plan_testlib.plan_config(base=SMALL)
   chip = chips.get_chip("h200")
   c = plan.Candidate("pipeline_parallel", (("data", 2), ("stage", 4)), 1, "none")
   est = plan_model.estimate(plan.model_params(cfg), cfg.model, preset_rules(cfg, c.preset),
@@ -197,7 +192,7 @@ def test_pipeline_stage_bytes_by_hand():
   """Per phase: r m + p - 1 hand-offs of a pipeline micro-batch's activations (a ppermute
   sends all of it), one all-reduce of the outputs over the stages, and the circular
   schedule's chunk relayout."""
-  cfg = _config("model.num_layers=8", "model.pipeline_repeats=2")
+  cfg = plan_config("model.num_layers=8", "model.pipeline_repeats=2")
   params = plan.model_params(cfg)
   rules = preset_rules(cfg, "pipeline_parallel")
   est = plan_model.estimate(params, cfg.model, rules, {"data": 2, "stage": 4},
@@ -222,7 +217,7 @@ WEIGHTS = ["seq_len=64", "batch_size=8", "model.vocab_size=1024", "model.embed_d
 
 
 def _estimate_and_compile(overrides, preset, mesh, remat):
-  cfg = load_config(train.default_config_path(), overrides)
+  cfg = plan_testlib.plan_config(base=overrides)
   c = plan.Candidate(preset, tuple(mesh.items()), 1, remat)
   rules = preset_rules(cfg, preset)
   est = plan_model.estimate(plan.model_params(cfg), cfg.model, rules, mesh,
@@ -257,8 +252,8 @@ def test_rerun_into_the_same_cache_compiles_nothing(tmp_path):
   args = ["--devices", "8", "--chip", "v5e", "--compile", "2", "--preset", "data_parallel",
           "--remat", "none", "--remat", "full", "--out", str(tmp_path / "best.yaml"), "--cache",
           str(tmp_path / "cache.json"), "--json", "--no-plot", *TINY, "model.num_layers=1"]
-  first = json.loads(_cli(*args)[1])
-  again = json.loads(_cli(*args)[1])
+  first = json.loads(run_plan(*args)[1])
+  again = json.loads(run_plan(*args)[1])
   assert first["candidates"] == 4
   assert first["compiled"] == 2 and again["compiled"] == 0 and again["cached"] == 2
   assert [p["source"] for p in again["plans"][:2]] == ["compiled", "compiled"]
@@ -269,7 +264,7 @@ def test_the_written_pipeline_plan_compiles(tmp_path):
   """The config best.yaml holds for a pipelined search compiles as train's step (it was a
   pipeline whose micro-batches of 4 rows per device could not be split 8 ways)."""
   out = tmp_path / "best.yaml"
-  code, _, err = _cli("--devices", "8", "--chip", "v5e", "--compile", "0", "--preset",
+  code, _, err = run_plan("--devices", "8", "--chip", "v5e", "--compile", "0", "--preset",
                       "pipeline_parallel", "--remat", "none", "--out", str(out), "--cache", "",
                       "--no-plot", *TINY, "model.num_layers=2",
                       "model.pipeline_microbatches=8")

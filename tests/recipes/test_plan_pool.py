@@ -6,18 +6,13 @@ plan as the best. The crash is simulated by the worker's test hook (``CRASH_ENV`
 """
 
 import pytest
+from plan_testlib import TINY, plan_config
 
-from recipes import chips, plan, train
+from recipes import chips, plan
 from recipes._planner import compile_pool
 from recipes.config import load_config
 
-TINY = ["model.embed_dim=16", "model.mlp_dim=32", "model.num_layers=1", "batch_size=16",
-        "seq_len=8", "model.vocab_size=16"]
 V5E = chips.get_chip("v5e")
-
-
-def _config(*overrides):
-  return load_config(train.default_config_path(), TINY + list(overrides))
 
 
 def _search(cfg, compile_top, cache=None):
@@ -28,7 +23,7 @@ def _search(cfg, compile_top, cache=None):
 
 @pytest.mark.slow
 def test_a_worker_crash_fails_its_plan_alone_and_is_never_the_best(tmp_path, monkeypatch):
-  cfg = _config()
+  cfg = plan_config()
   screened = _search(cfg, compile_top=0)
   crash, *others = [r.candidate for r in screened.results if r.fits][:3]
   assert len(others) == 2
@@ -56,7 +51,7 @@ def test_a_worker_crash_fails_its_plan_alone_and_is_never_the_best(tmp_path, mon
 
 @pytest.mark.slow
 def test_the_cli_writes_the_best_plan_that_did_not_crash(tmp_path, monkeypatch, capsys):
-  cfg = _config()
+  cfg = plan_config()
   crash = next(r.candidate for r in _search(cfg, compile_top=0).results if r.fits)
   monkeypatch.setenv(compile_pool.CRASH_ENV, plan.cache_key(plan.candidate_config(cfg, crash),
                                                             8))
@@ -80,4 +75,4 @@ def test_a_worker_that_cannot_start_is_still_an_error(monkeypatch):
   monkeypatch.setattr(compile_pool, "_worker_env",
                       lambda: {**env, "PYTHONHOME": "/no-such-python-home"})
   with pytest.raises(plan.PlanError, match=r"failed \(exit code 1\) before compiling a plan"):
-    compile_pool.compile_many({"k": _config()}, 8)
+    compile_pool.compile_many({"k": plan_config()}, 8)
