@@ -61,9 +61,12 @@ class Cache:
     return got if got and "error" not in got else None
 
   def save(self) -> None:
+    """Writes the results, except ``transient`` failures (a worker killed from outside,
+    e.g. for memory): those plans compile again next time."""
     if self.path:
       self.path.parent.mkdir(parents=True, exist_ok=True)
-      self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True))
+      kept = {k: v for k, v in self.data.items() if not v.get("transient")}
+      self.path.write_text(json.dumps(kept, indent=1, sort_keys=True))
 
   def __repr__(self) -> str:
     return f"Cache({self.path}, {len(self.data)} plans)"

@@ -30,8 +30,10 @@ from recipes._planner.candidates import PlanError, abstract_run, config_yaml
 MAX_COMPILE_DEVICES = 512      # virtual CPU devices one compile may ask for
 _RESULT = "RESULT "            # the prefix of a worker's result lines on its stdout
 _START = "START "              # ... and of the line it prints before compiling a config
-# a test hook: the worker aborts (as XLA's check failures do) before compiling this key
+# test hooks: the worker aborts (as XLA's check failures do) before compiling this key, or
+# is killed as the out-of-memory killer kills it
 CRASH_ENV = "RECIPES_PLAN_WORKER_ABORT_ON"
+KILL_ENV = "RECIPES_PLAN_WORKER_KILLED_ON"
 _REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -80,6 +82,8 @@ def run_worker(path: str) -> int:
     print(_START + key, flush=True)
     if os.environ.get(CRASH_ENV) == key:
       os.abort()
+    if os.environ.get(KILL_ENV) == key:
+      os.kill(os.getpid(), signal.SIGKILL)
     tmp = pathlib.Path(path).with_suffix(".one.yaml")
     tmp.write_text(text)
     try:
@@ -115,6 +119,8 @@ def compile_many(configs: dict[str, Any], devices: int, on_done=None,
       pending.pop(started)
       results[started] = {"error": crash_error(labels.get(started, started), code, err),
                           "crashed": code}
+      if code == -signal.SIGKILL:
+        results[started]["transient"] = True   # not the plan's fault: a rerun tries again
       if on_done:
         on_done()
   return results
@@ -146,18 +152,28 @@ def _run_worker_process(pending: dict[str, str], devices: int, tmp: pathlib.Path
 
 
 def crash_error(label: str, code: int, stderr: str) -> str:
-  """The failure of a config whose compile killed the worker: what died and how, that it is
-  XLA's crash and not the config's mistake, and XLA's last message (stack frames dropped)."""
+  """The failure of a config whose compile killed the worker: what died and how, whose fault
+  it is (an abort is XLA's crash; SIGKILL is most often the out-of-memory killer) and XLA's
+  last message (stack frames dropped)."""
   last = [line.strip() for line in stderr.splitlines()
           if line.strip() and not line.lstrip().startswith("@")
           and not line.startswith("*** ")][-3:]
+  if code == -signal.SIGKILL:
+    cause = ("  On Linux that is most often the out-of-memory killer: compiling this plan "
+             "needed more host memory than was free (or the worker was killed from outside). "
+             "It is not a mistake in the config, and it is not cached: a rerun compiles it "
+             "again.")
+    fix = ("The other plans were compiled in a fresh worker. To compile this one, free host "
+           "memory or compile fewer plans at once (--compile 1); --compile 0 ranks by the "
+           "analytic memory.")
+  else:
+    cause = ("  This is a crash inside XLA:CPU's compiler, not a mistake in the config (it "
+             "passed python -m recipes.train's checks); a GPU or TPU compiler may compile it.")
+    fix = ("The other plans were compiled in a fresh worker. To compile this one, try another "
+           "model.dtype or JAX version.")
   return "\n".join([
       f"WorkerCrash: the compile worker died ({_exit_text(code)}) while compiling {label}.",
-      "  This is a crash inside XLA:CPU's compiler, not a mistake in the config (it passed "
-      "python -m recipes.train's checks); a GPU or TPU compiler may compile it.",
-      *(f"  XLA: {line}" for line in last),
-      "The other plans were compiled in a fresh worker. To compile this one, try another "
-      "model.dtype or JAX version."])
+      cause, *(f"  XLA: {line}" for line in last), fix])
 
 
 def _exit_text(code: int) -> str:

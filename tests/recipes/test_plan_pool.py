@@ -2,7 +2,8 @@
 a plan (XLA:CPU aborts on some plans, e.g. ``fsdp_pp`` in bf16 on 8 devices) fails that plan
 alone, the others still compile in a fresh worker, and the search never writes the crashed
 plan as the best. The crash is simulated by the worker's test hook (``CRASH_ENV``: it calls
-``os.abort()``, the SIGABRT of XLA's check failures, before compiling that key).
+``os.abort()``, the SIGABRT of XLA's check failures, before compiling that key; ``KILL_ENV``
+sends it the SIGKILL of the out-of-memory killer).
 """
 
 import pytest
@@ -76,3 +77,26 @@ def test_a_worker_that_cannot_start_is_still_an_error(monkeypatch):
                       lambda: {**env, "PYTHONHOME": "/no-such-python-home"})
   with pytest.raises(plan.PlanError, match=r"failed \(exit code 1\) before compiling a plan"):
     compile_pool.compile_many({"k": plan_config()}, 8)
+
+
+@pytest.mark.slow
+def test_a_worker_killed_for_memory_is_not_blamed_on_xla_nor_cached(tmp_path, monkeypatch):
+  """SIGKILL is what Linux's out-of-memory killer sends: the message said "a crash inside
+  XLA:CPU's compiler" and the cache kept the failure, so a rerun with free memory never
+  compiled the plan again."""
+  cfg = plan_config()
+  killed, other = [r.candidate for r in _search(cfg, compile_top=0).results if r.fits][:2]
+  monkeypatch.setenv(compile_pool.KILL_ENV, plan.cache_key(plan.candidate_config(cfg, killed),
+                                                           8))
+  found = _search(cfg, compile_top=2, cache=plan.Cache(tmp_path / "cache.json"))
+  why = found.failed[killed.label()]
+  assert f"the compile worker died (killed by signal 9, SIGKILL) while compiling " \
+         f"{killed.label()}" in why
+  assert "most often the out-of-memory killer" in why and "it is not cached" in why
+  assert "XLA:CPU's compiler" not in why
+  assert found.best.candidate == other and found.num_compiled == 2
+  # the rerun compiles the killed plan (and only it) again, and now it compiles
+  monkeypatch.delenv(compile_pool.KILL_ENV)
+  again = _search(cfg, compile_top=2, cache=plan.Cache(tmp_path / "cache.json"))
+  assert again.num_compiled == 1 and again.failed == {}
+  assert next(r for r in again.results if r.candidate == killed).compiled["memory"]["peak"] > 0
