@@ -165,8 +165,9 @@ def make_rules(config: TrainConfig):
     rules = rules.without_serial_loops(BATCH_AXIS)
   if not config.rules:
     return rules
-  _check_override_names(config, rules)
-  return rules.override(*config.rules)
+  overridden = rules.override(*config.rules)
+  _check_overrides(config, rules, overridden)
+  return overridden
 
 
 def _known_logical_names(rules) -> list[str]:
@@ -178,18 +179,37 @@ def _known_logical_names(rules) -> list[str]:
   return list(names)
 
 
-def _check_override_names(config: TrainConfig, rules) -> None:
+def _check_overrides(config: TrainConfig, rules, overridden) -> None:
   """An override for a name the model never uses would be ignored (``rules=[mpl=tensor]``
-  trained with ``mlp`` replicated): an error with the near name instead."""
+  trained with ``mlp`` replicated): an error with the near name instead, which also lists
+  the overrides' mesh axes that ``config.mesh`` lacks (all the override's mistakes at once;
+  :func:`run_problems` checks those alone when every name is known)."""
   known = _known_logical_names(rules)
   unknown = [(token, name) for token, one in _overrides(config) for name in one.names
              if name not in known]
   if unknown:
+    problems = [
+        f"rules override {token!r} sets logical axis {name!r}, which the model does not "
+        f"have{did_you_mean(name, known)}: the model's axes are {known}"
+        for token, name in unknown]
+    problems += _override_axis_problems(config, overridden, config.mesh)[0]
     raise TrainConfigError(format_message(
-        f"config: {len(unknown)} problem(s) with rules=.", bullets=[
-            f"rules override {token!r} sets logical axis {name!r}, which the model does not "
-            f"have{did_you_mean(name, known)}: the model's axes are {known}"
-            for token, name in unknown]))
+        f"config: {len(problems)} problem(s) with rules=.", bullets=problems))
+
+
+def _override_axis_problems(config: TrainConfig, rules, mesh_shape) -> tuple[list[str], set]:
+  """The ``rules=`` overrides' mesh axes that ``mesh_shape`` lacks (where the preset does not
+  name them too: that is the preset's problem), one line each, and those axes."""
+  missing = [a for a in rules.mesh_axes if a not in mesh_shape]
+  preset_axes = preset_rules(config.preset).mesh_axes
+  by_override = {}
+  for token, one in _overrides(config):
+    by_override.update({a: token for a in one.mesh_axes
+                        if a in missing and a not in preset_axes and a not in by_override})
+  return [
+      f"rules override {token!r} names mesh axis {axis!r}, which mesh={_mesh_text(mesh_shape)}"
+      f" does not have{did_you_mean(axis, [*mesh_shape, 'null'])}: fix the override, or add "
+      f"{axis!r} to the mesh" for axis, token in by_override.items()], set(by_override)
 
 
 def _overrides(config: TrainConfig) -> list[tuple[str, Any]]:
@@ -218,18 +238,9 @@ def check_run(config: TrainConfig, rules, mesh) -> None:
 
 def run_problems(config: TrainConfig, rules, mesh) -> list[str]:
   """:func:`check_run`'s problems, one line each (``[]``: the run may start)."""
-  problems = []
   wanted = list(rules.mesh_axes)
   missing = [a for a in wanted if a not in mesh.shape]
-  preset_axes = preset_rules(config.preset).mesh_axes
-  by_override = {}
-  for token, one in _overrides(config):
-    by_override.update({a: token for a in one.mesh_axes
-                        if a in missing and a not in preset_axes and a not in by_override})
-  problems += [
-      f"rules override {token!r} names mesh axis {axis!r}, which mesh={_mesh_text(mesh.shape)}"
-      f" does not have{did_you_mean(axis, [*mesh.shape, 'null'])}: fix the override, or add "
-      f"{axis!r} to the mesh" for axis, token in by_override.items()]
+  problems, by_override = _override_axis_problems(config, rules, dict(mesh.shape))
   if preset_missing := [a for a in missing if a not in by_override]:
     have = "{" + ", ".join(f"{k}: {v}" for k, v in config.mesh.items()) + "}"
     problems.append(

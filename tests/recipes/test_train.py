@@ -157,6 +157,13 @@ MISTAKES = {  # overrides -> what the message must say (the key and the fix)
         ["rules=[mlp=tensr]"], [
             "rules override 'mlp=tensr' names mesh axis 'tensr', which mesh={data: 2, fsdp: 2, "
             "tensor: 2} does not have (did you mean 'tensor'?)"]),
+    "both kinds of rules override mistakes at once (they came one run at a time)": (
+        ["rules=[mlp=tensr, haeds=null]"], [
+            "config: 2 problem(s) with rules=.",
+            "rules override 'haeds=null' sets logical axis 'haeds', which the model does not "
+            "have (did you mean 'heads'?)",
+            "rules override 'mlp=tensr' names mesh axis 'tensr', which mesh={data: 2, fsdp: 2, "
+            "tensor: 2} does not have (did you mean 'tensor'?)"]),
     "a rules override with a misspelt null": (
         ["rules=[mlp=nul]"], ["rules override 'mlp=nul' names mesh axis 'nul'",
                               "(did you mean 'null'?)"]),
@@ -201,7 +208,8 @@ def test_run_mistakes_exit_2_before_compiling(name, tmp_path, monkeypatch, capsy
   monkeypatch.setattr(train, "init_model", compiled)
   assert train.main(overrides + [f"out_dir={tmp_path / 'run'}"]) == 2
   err = capsys.readouterr().err
-  assert err.startswith("error: config: 1 problem(s)") and "Traceback" not in err
+  headline = next((p for p in expected if p.startswith("config: ")), "config: 1 problem(s)")
+  assert err.startswith(f"error: {headline}") and "Traceback" not in err
   for part in expected:
     assert part in err, (part, err)
   assert not (tmp_path / "run").exists()  # nothing written
