@@ -163,7 +163,10 @@ def _gpu_cal(matmul: float, matmul_source: str, band: float = 0.2) -> Calibratio
                                        + " (614 TFLOP/s, s0 4090: within 7 % of each)"),
           ("fused_attention_s0", "same fit"),
           ("xla_score_bytes", "the XLA rows of the same table: 53 and 48 B per score at "
-                              "4.8 TB/s after the matmul time; 50 x 0.9 efficiency"),
+                              "4.8 TB/s after the matmul time; 50 x 0.9 efficiency. Measured "
+                              "when the xla path rounded its logits to bf16; it now keeps "
+                              "them in fp32 (about 4 B more per score expected; not yet "
+                              "re-measured)"),
           ("blockwise_score_bytes", "the blockwise rows of the same table: 110-143 B per "
                                     "score after 4 passes of matmul time; 125 x 0.9"),
           ("op_overhead_s", "assumed: ~10 us per kernel launch, ramp and tail on a GPU"),

@@ -250,6 +250,30 @@ def test_blockwise_bf16_gradients_are_within_bf16_rounding_of_the_truth():
     assert err <= err_ref + 2.0 ** -8, (err, err_ref)
 
 
+@pytest.mark.parametrize("logits", ["std 100", "shifted by 1e4"])
+@pytest.mark.parametrize("implementation", ["xla", "blockwise"])
+def test_bf16_attention_keeps_large_logits_in_fp32(implementation, logits):
+  """In bf16 both paths are within bf16 rounding (2^-7 of the output's scale: the output and
+  the weights given to the values are rounded to 8 bits) of float64 attention of the same
+  bf16 inputs, also when the logits are large. The xla path rounded its logits to bf16
+  before the fp32 softmax: relative error 0.13 at logit std 100, 0.30 when every logit is
+  shifted by 1e4 (which the softmax should not see: bf16's spacing there is 64)."""
+  rng = np.random.default_rng(0)
+  b, length, heads, kv_heads, d = 2, 16, 4, 2, 16
+  q, k, v = (rng.normal(size=(b, length, h, d)) for h in (heads, kv_heads, kv_heads))
+  if logits == "std 100":
+    q, k = q * 10, k * 10   # q.k / sqrt(d): std 100 sqrt(d) / sqrt(d) = 100
+  else:                      # q[0] k[0] / sqrt(d) = 1e4 on every logit, the rest O(1)
+    q[..., 0] = k[..., 0] = np.sqrt(1e4 * np.sqrt(d))
+  q, k, v = (jnp.asarray(a, jnp.bfloat16) for a in (q, k, v))
+  mask = layers.Mask(causal=True, lengths=jnp.array([16, 11]))
+  got = jax.jit(_attend(implementation, mask, 4))(q, k, v)
+  want = numpy_attention(*(np.asarray(a.astype(jnp.float32)) for a in (q, k, v)), mask)
+  scale = np.abs(want).max()
+  assert got.dtype == jnp.bfloat16
+  assert np.abs(np.asarray(got, np.float64) - want).max() <= 2.0 ** -7 * scale
+
+
 # -- sharded: sequence and tensor parallelism with sizes that do not divide -------------------
 
 SEQUENCE = [("batch", "data"), ("length", "sequence"), ("heads", None), ("kv_heads", None),
@@ -576,9 +600,19 @@ def test_the_cudnn_wrapper_under_every_preset_with_a_stand_in_kernel(preset, mon
 
 @pytest.mark.slow
 @pytest.mark.parametrize("framework", FRAMEWORKS)
-def test_bf16_models_blockwise_is_as_close_to_the_fp32_truth_as_xla(framework):
-  """dtype=bfloat16, the same weights: the blockwise model's logits and gradients are no
-  further from the float32 model's than the bf16 xla model's are (up to 2^-7 of the scale)."""
+def test_bf16_models_are_within_bf16_noise_of_the_fp32_truth(framework):
+  """dtype=bfloat16, the same weights: the logits and every gradient of the blockwise and the
+  xla model are within 2^-4 of the float32 model's, in root mean square (RMS). Measured: the RMS
+  error is at most 0.035 over 4 seeds, 3 frameworks and every leaf; dropping the segment ids
+  (a wrong mask) gives 0.5 to 1.0.
+
+  This is a bound, not a comparison of the two models. Which kernel runs only reorders the
+  rounding of a bf16 model. Over seeds, one kernel's RMS error minus the other's is
+  -0.008 to +0.011 of the scale, and either sign comes up. Whether blockwise is as accurate
+  as XLA is checked on the kernel alone, where that noise is absent
+  (test_blockwise_bf16_gradients_are_within_bf16_rounding_of_the_truth). The earlier
+  version of this test compared the two models and passed only while the xla path rounded
+  its logits to bf16."""
   tokens = jax.random.randint(jax.random.key(1), (4, 8), 0, 64)
   valid = jnp.arange(8)[None] >= jnp.array([[0], [2], [1], [0]])
   seg = (jnp.arange(8)[None] >= jnp.array([[3], [5], [8], [4]])).astype(jnp.int32)
@@ -590,17 +624,16 @@ def test_bf16_models_blockwise_is_as_close_to_the_fp32_truth_as_xla(framework):
       return jnp.mean(jax.nn.log_softmax(logits)[..., 0]), logits
     return jax.jit(jax.value_and_grad(loss, has_aux=True))(truth.params)
 
+  rms = lambda x: float(jnp.sqrt(jnp.mean(jnp.square(x.astype(jnp.float32)))))
   (_, want), want_grads = step(truth)
-  results = {a: step(build(framework, config(attention=a, attention_block=3, dtype="bfloat16"),
-                           tokens)) for a in ("xla", "blockwise")}
-  scale = float(jnp.abs(want).max())
-  err = {a: float(jnp.abs(r[0][1] - want).max()) for a, r in results.items()}
-  assert err["blockwise"] <= err["xla"] + 2.0 ** -7 * scale, err
-  for i, w in enumerate(jax.tree.leaves(want_grads)):
-    g = {a: jax.tree.leaves(r[1])[i].astype(jnp.float32) for a, r in results.items()}
-    s = float(jnp.abs(w).max()) + 1e-12
-    e = {a: float(jnp.abs(x - w).max()) for a, x in g.items()}
-    assert e["blockwise"] <= e["xla"] + 2.0 ** -7 * s, (i, e, s)
+  for attention in ("xla", "blockwise"):
+    (_, logits), grads = step(build(framework, config(attention=attention, attention_block=3,
+                                                      dtype="bfloat16"), tokens))
+    assert rms(logits - want) <= 2.0 ** -4 * rms(want), attention
+    for (path, w), g in zip(jax.tree_util.tree_leaves_with_path(want_grads),
+                            jax.tree.leaves(grads)):
+      assert g.dtype == w.dtype   # params stay fp32 under dtype=bfloat16
+      assert rms(g - w) <= 2.0 ** -4 * rms(w), (attention, jax.tree_util.keystr(path))
 
 
 @pytest.mark.slow
