@@ -472,16 +472,17 @@ def _score_bytes(remat: str, impl: str, a: int) -> tuple[float, float]:
   """(bytes per attention score element saved for the backward per block, bytes per score
   of one block's backward working set). XLA's materialised softmax (``layers``' attention)
   saves the broadcast mask (1 B), the fp32 probabilities (4 B) and the compute-dtype
-  weights (``a``) under ``none``, the logits (``a``) under ``dots``; a block's backward
-  holds fp32 probability and logit gradients and the weights' gradient (``8 + a``), plus
-  the recomputed forward's ``5 + a`` when the policy reruns it. Fused and blockwise
+  weights (``a``) under ``none``, the fp32 logits (4 B, a dot's output) under ``dots``; a
+  block's backward holds fp32 probability and logit gradients and the weights' gradient
+  (``8 + a``), plus the recomputed forward's ``5 + a`` when the policy reruns it. Fused and
+  blockwise
   kernels keep no scores (a log-sum-exp per row, negligible)."""
   if impl != "xla":
     return 0.0, 0.0
   backward = 8.0 + a
   if remat == "none":
     return 1.0 + 4.0 + a, backward
-  saved = a if remat == "dots" else 0.0
+  saved = 4.0 if remat == "dots" else 0.0
   return saved, backward + (0.0 if remat == "dots" else 5.0 + a)
 
 
