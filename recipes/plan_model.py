@@ -475,8 +475,7 @@ def _score_bytes(remat: str, impl: str, a: int) -> tuple[float, float]:
   weights (``a``) under ``none``, the fp32 logits (4 B, a dot's output) under ``dots``; a
   block's backward holds fp32 probability and logit gradients and the weights' gradient
   (``8 + a``), plus the recomputed forward's ``5 + a`` when the policy reruns it. Fused and
-  blockwise
-  kernels keep no scores (a log-sum-exp per row, negligible)."""
+  blockwise kernels keep no scores (a log-sum-exp per row, negligible)."""
   if impl != "xla":
     return 0.0, 0.0
   backward = 8.0 + a
