@@ -454,9 +454,14 @@ def _semantic_problems(c: TrainConfig) -> list[str]:
   if c.data.path is None and c.model.vocab_size < c.data.digits + 2:
     problems.append(f"model.vocab_size={c.model.vocab_size} must be >= data.digits + 2 = "
                     f"{c.data.digits + 2} (the digits, a separator and padding)")
-  if c.data.path is not None and c.model.vocab_size < 256:
+  # a .npy holds a tokenizer's ids: the data checks them against vocab_size when it opens them
+  byte_level = c.data.path is not None and not c.data.path.endswith(".npy")
+  if byte_level and c.model.vocab_size < 256:
     problems.append(f"model.vocab_size={c.model.vocab_size} must be >= 256 for byte-level "
-                    "language modelling (data.path)")
+                    f"language modelling of data.path={c.data.path!r} (each byte is a "
+                    "token); or give a .npy of token ids (np.save('ids.npy', "
+                    "np.asarray(tokenizer(text), np.int32))), whose largest id is below "
+                    "model.vocab_size")
   if c.seq_len > c.model.max_len:
     problems.append(f"seq_len={c.seq_len} exceeds model.max_len={c.model.max_len}")
   return problems

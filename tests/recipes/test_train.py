@@ -381,6 +381,22 @@ def test_token_ids_from_a_npy_file(tmp_path):
     data.TokenFile(str(tmp_path / "ids.npy"), seq_len=8, vocab_size=32)
 
 
+def test_a_small_vocabulary_trains_on_token_ids_but_not_on_bytes(tmp_path):
+  """A tokenizer's .npy ids need model.vocab_size above the largest id only (the >= 256 rule
+  of byte-level files refused every small-vocabulary fine-tune on its own tokens)."""
+  np.save(tmp_path / "ids.npy", (np.arange(4000) * 7 % 90).astype(np.int32))
+  (tmp_path / "notes.txt").write_text("some text " * 400)
+  summary = train.train(_config(tmp_path / "run", f"data.path={tmp_path / 'ids.npy'}",
+                                "model.vocab_size=96"),
+                        progress=False, out=io.StringIO(), log=io.StringIO())
+  assert np.isfinite(summary["final_loss"])
+  with pytest.raises(TrainConfigError) as e:
+    _config(tmp_path / "bytes", f"data.path={tmp_path / 'notes.txt'}", "model.vocab_size=96")
+  assert ("model.vocab_size=96 must be >= 256 for byte-level language modelling of "
+          f"data.path='{tmp_path / 'notes.txt'}' (each byte is a token); or give a .npy of "
+          "token ids") in str(e.value)
+
+
 @pytest.mark.slow
 def test_rerun_into_the_same_out_dir_keeps_the_first_run(tmp_path, capsys):
   first = _run(tmp_path, "run", "checkpoint_every=1")
