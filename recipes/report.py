@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pathlib
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -157,11 +158,15 @@ def progress(total: int, start: int = 0, *, mode: str | None = "bar", every: int
     return
   if mode != "bar":
     raise ValueError(f"progress mode={mode!r} must be 'bar', 'log' or None")
+  from rich.console import Console
   from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
   columns = [TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
              TextColumn("{task.fields[fields]}")]
-  with Progress(*columns) as bar:
+  # On the log stream (stderr), whose terminal chose the bar: on rich's default stdout a
+  # `| tee` or `> log.txt` hid the bar from the terminal for the whole run
+  console = Console(file=stream if stream is not None else sys.stderr)
+  with Progress(*columns, console=console) as bar:
     task = bar.add_task("train", total=total, completed=start, fields="")
     yield _Bar(bar, task)
 

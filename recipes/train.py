@@ -18,6 +18,7 @@ checks the checkpoint fits) and turns SIGTERM / SIGINT into a checkpoint and a c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -64,10 +65,13 @@ from recipes.config import (  # noqa: E402
 def parse_args(argv: Sequence[str] | None) -> tuple[str | None, list[str]]:
   parser = argparse.ArgumentParser(
       prog="python -m recipes.train", description=report.plain(__doc__.splitlines()[0]),
-      epilog="Overrides are key=value with dotted keys, e.g. model.num_layers=4 "
-             "mesh='{data: 4, fsdp: 2}' optimizer.learning_rate=1e-3. A new run refuses an "
-             "out_dir that holds another run; resume=true continues it. SIGTERM/SIGINT stop "
-             "after the current step with a checkpoint.")
+      # raw: argparse's wrapping split the example's quoted mesh across lines
+      formatter_class=argparse.RawDescriptionHelpFormatter,
+      epilog="Overrides are key=value with dotted keys, e.g.\n"
+             "  model.num_layers=4 mesh='{data: 4, fsdp: 2, tensor: 1}' "
+             "optimizer.learning_rate=1e-3\n"
+             "A new run refuses an out_dir that holds another run; resume=true continues it.\n"
+             "SIGTERM/SIGINT stop after the current step with a checkpoint.")
   parser.add_argument("--config", help="a YAML file of the keys to change (every run starts "
                                        "from recipes/configs/default.yaml)")
   parser.add_argument("overrides", nargs="*", help="key=value overrides")
@@ -627,14 +631,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = load_config(path or default_config_path(), overrides)
     setup_devices(config)
     terminal = sys.stderr.isatty() or bool(os.environ.get("FORCE_PROGRESS"))
-    train(config, progress="bar" if terminal else "log")
+    with _cli_warnings():
+      train(config, progress="bar" if terminal else "log")
   except PartitionError as e:  # TrainConfigError and every error of the partition library
     print(f"error: {e}", file=sys.stderr)
     return 2
   except Stopped as e:
     print(("" if e.exit_code == 0 else "error: ") + str(e), file=sys.stderr)
     return e.exit_code
+  except KeyboardInterrupt:  # the steps turn SIGINT into Stopped; this is outside them
+    print("error: stopped by SIGINT outside the training steps (while building or compiling "
+          "the model, or writing the summary). Checkpoints already written are kept: "
+          "resume=true continues from the last one; without one, run the command again.",
+          file=sys.stderr)
+    return 130
   return 0
+
+
+@contextlib.contextmanager
+def _cli_warnings():
+  """Warnings on the command line read ``UserWarning: <message>``: the file and line of the
+  ``warnings.warn`` call (this module's own) mean nothing to a user of the command."""
+  shown = warnings.formatwarning
+  warnings.formatwarning = lambda message, category, *_: f"{category.__name__}: {message}\n"
+  try:
+    yield
+  finally:
+    warnings.formatwarning = shown
 
 
 if __name__ == "__main__":

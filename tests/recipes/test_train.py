@@ -493,6 +493,46 @@ def test_progress_lines_without_a_terminal(tmp_path):
   assert all("loss " in line and " tok/s" in line and "ETA " in line for line in lines)
 
 
+def test_the_progress_bar_is_drawn_on_the_log_stream_not_on_stdout(capsys):
+  """main() picks the bar when stderr is a terminal: drawn on rich's default stdout, a
+  `| tee` or `> log.txt` hid it from the terminal for the whole run (and put one final bar
+  line in the file)."""
+  from recipes import report
+  log = io.StringIO()
+  with report.progress(3, mode="bar", stream=log) as bar:
+    for step in (1, 2, 3):
+      bar.update(step, {"loss": 1.0, "tokens_per_s": 10.0})
+  with report.progress(2, mode="bar") as bar:   # the default stream is stderr
+    bar.update(2, {"loss": 1.0, "tokens_per_s": 10.0})
+  printed = capsys.readouterr()
+  assert "train" in log.getvalue() and "3/3" in log.getvalue()
+  assert printed.out == "" and "2/2" in printed.err
+
+
+def test_sigint_while_building_the_model_is_a_message_and_exit_130(tmp_path, monkeypatch,
+                                                                      capsys):
+  """Ctrl-C before the first step (XLA compiling the init) was a 60-line traceback."""
+  def interrupted(config):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(train, "build_run", interrupted)
+  assert train.main(TINY + [f"out_dir={tmp_path / 'run'}"]) == 130
+  err = capsys.readouterr().err
+  assert err.startswith("error: stopped by SIGINT outside the training steps (while building")
+  assert "resume=true continues from the last one" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_the_command_line_shows_a_warning_without_this_module_s_source_line(tmp_path,
+                                                                            child_env):
+  """The short-warmup warning named recipes/train.py's line and printed that line of code
+  (a real process: pytest records warnings instead of printing them)."""
+  proc = _cli(child_env, *TINY, f"out_dir={tmp_path / 'run'}", "optimizer.warmup_steps=30")
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 0, err
+  assert "UserWarning: optimizer.warmup_steps=30 is not shorter than steps=3" in err
+  assert "train.py:" not in err and "train(config" not in err
+
+
 @pytest.mark.slow
 def test_restore_on_other_meshes_is_bit_identical(tmp_path):
   out = _run(tmp_path, "src", "steps=2", "microbatches=1")
