@@ -577,9 +577,16 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
     The names of the files written. Arrays are gathered to the host one at a time.
 
   Raises:
-    HFError: an architecture that cannot express ``config``, or weights missing, extra, or
-      of the wrong shape.
+    HFError: an architecture that cannot express ``config``, weights missing, extra, or of
+      the wrong shape, or a ``path`` (or a folder above it) that is a file.
   """
+  directory = pathlib.Path(path)
+  if (file := next((p for p in (directory, *directory.parents)
+                    if p.exists() and not p.is_dir()), None)) is not None:
+    what = "is a file" if file == directory else f"is under {str(file)!r}, which is a file"
+    raise HFError(f"to_hf: path {str(path)!r} {what}; it must be a directory "
+                  "(created if missing) to hold config.json and the .safetensors. Pass "
+                  "another path, or move the file away.")
   architecture = architecture or ("qwen2" if config.qkv_bias else "qwen3" if config.qk_norm
                                   else "mixtral" if config.num_experts else "llama")
   problems = []
@@ -612,7 +619,6 @@ def to_hf(weights: Mapping[str, Any], config: TransformerConfig, path: str | pat
     value = np.asarray(jax.device_get(weights[name]))
     for ids, key in lay.keys(value.shape):
       tensors[key] = _to_hf_tensor(value[ids], lay)
-  directory = pathlib.Path(path)
   directory.mkdir(parents=True, exist_ok=True)
   for old in directory.glob("*.safetensors"):
     old.unlink()

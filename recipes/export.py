@@ -73,11 +73,14 @@ def restore_params(directory: str | pathlib.Path, step: int | None = None
   """
   import jax
 
-  from recipes.checkpoint import Checkpointer
+  from recipes.checkpoint import Checkpointer, earlier_step_fix
 
   ckpt = Checkpointer(checkpoint_dir(directory))
   try:
-    steps = ckpt.all_steps()
+    steps = ckpt.all_steps()   # the complete ones (recipes.checkpoint.complete_steps)
+    if step is not None and step not in steps and (problem := step_problem(
+        ckpt.directory, step, steps)):
+      raise ExportError(problem)
     if not steps:
       raise ExportError(f"--checkpoint {str(directory)!r} holds no checkpoint steps. Train "
                         "first (python -m recipes.train out_dir=...), or pass the out_dir "
@@ -94,10 +97,35 @@ def restore_params(directory: str | pathlib.Path, step: int | None = None
     # One device with the run's mesh axis names, each of size 1: every array is whole there.
     names = tuple(meta["config"]["mesh"]) or ("data",)
     mesh = jax.make_mesh((1,) * len(names), names, devices=jax.devices()[:1])
-    state, meta = ckpt.restore_on(step, mesh)
+    state, meta = ckpt.restore_on(step, mesh, fix=earlier_step_fix(ckpt.directory, step))
   finally:
     ckpt.close()
   return state["params"], meta, step
+
+
+def step_problem(directory: pathlib.Path, step: int, steps: Sequence[int]) -> str | None:
+  """For ``--step`` naming a numbered folder of ``directory`` that is not a complete
+  checkpoint: what is missing there and the complete ``steps`` (``None``: no such folder).
+  The message ``recipes.export`` and ``recipes.generate`` give."""
+  from recipes.checkpoint import incomplete
+  folder = pathlib.Path(directory).absolute() / str(step)
+  why = incomplete(folder) if folder.is_dir() else None
+  if why is None:
+    return None
+  return (f"--step {step}: the folder {folder} is not a complete checkpoint ({why}); the "
+          f"complete steps are {list(steps)}. Pass one of them, or leave --step out for the "
+          "latest.")
+
+
+def check_hf_out(out: str | pathlib.Path) -> None:
+  """``--out`` of ``--to hf`` is a directory: an existing file there is an ``ExportError``."""
+  out = pathlib.Path(out)
+  if out.exists() and not out.is_dir():
+    other = out.with_suffix("") if out.suffix else out.with_name(f"{out.name}_hf")
+    raise ExportError(f"--out {str(out)!r} is a file, but with --to hf --out is the "
+                      "directory to write (config.json, model.safetensors). Pass a new or "
+                      f"existing directory (e.g. --out {other}), or leave --to hf out to "
+                      "write an .npz.")
 
 
 def model_config(meta: dict[str, Any]):
@@ -139,6 +167,8 @@ def export(directory: str | pathlib.Path, out: str | pathlib.Path, step: int | N
   if architecture is not None and to != "hf":
     raise ExportError(architecture_without_hf(architecture, to))
   out = pathlib.Path(out)
+  if to == "hf":   # before the restore: a mistake in the arguments is said at once
+    check_hf_out(out)
   params, meta, step = restore_params(directory, step)
   canonical = {name: np.asarray(v) for name, v in layers.to_canonical(params).items()}
   if to == "npz":

@@ -97,19 +97,24 @@ class Source:
 
 
 def _step_dirs(directory: pathlib.Path) -> list[int]:
-  return sorted(int(p.name) for p in directory.iterdir()
-                if p.name.isdigit() and (p / "meta" / "metadata").is_file())
+  """The complete steps (``recipes.checkpoint.complete_steps``: the rule of
+  ``recipes.export`` and ``resume=true``); an incomplete step folder is skipped, warning."""
+  from recipes.checkpoint import complete_steps
+  return complete_steps(directory)
 
 
 def run_source(path: str, step: int | None, overrides: Sequence[str]) -> Source:
   """A training run's config (its recorded keys, then ``overrides``) and checkpoint step.
 
-  Reads the checkpoint's JSON metadata directly (no JAX), so the devices can still be set up
-  for the run's mesh afterwards."""
+  Reads the checkpoint's JSON metadata directly (no JAX backend started), so the devices can
+  be set up for the run's mesh afterwards."""
   from recipes.config import load_config
-  from recipes.export import checkpoint_dir
+  from recipes.export import checkpoint_dir, step_problem
   directory = checkpoint_dir(path).resolve()   # orbax restores from absolute paths only
   steps = _step_dirs(directory)
+  if step is not None and step not in steps and (problem := step_problem(directory, step,
+                                                                         steps)):
+    raise GenerateArgumentError(problem)
   if not steps:
     raise GenerateArgumentError(f"--checkpoint {path!r} holds no checkpoint steps. Train "
                                 "first (python -m recipes.train out_dir=...).")
@@ -283,17 +288,19 @@ def restore_params(source: Source, rules, mesh) -> Any:
   with needs_extra("recipes", by="recipes.generate"):
     import orbax.checkpoint as ocp
 
-  from recipes.checkpoint import Checkpointer, restore_target
+  from recipes.checkpoint import Checkpointer, earlier_step_fix, reading, restore_target
 
+  fix = earlier_step_fix(source.checkpoint, source.step)
   ckpt = Checkpointer(source.checkpoint)
   try:
-    abstract = restore_target(ckpt.manager.item_metadata(source.step)["state"].tree["params"],
+    abstract = restore_target(ckpt.state_metadata(source.step, fix=fix)["params"],
                               source.meta["logical_axes"], rules, mesh, prefix="params/",
                               api="recipes.generate")
   finally:
     ckpt.close()
   item = {"params": abstract}
-  with ocp.PyTreeCheckpointer() as reader:   # the params alone (no optimizer state)
+  with ocp.PyTreeCheckpointer() as reader, reading(   # the params alone (no optimizer state)
+      source.checkpoint, source.step, fix):
     state = reader.restore(source.checkpoint / str(source.step) / "state",
                            args=ocp.args.PyTreeRestore(
                                item, ocp.checkpoint_utils.construct_restore_args(item),

@@ -138,8 +138,13 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
   """Restores ``run.state`` from the last checkpoint of ``ckpt`` after checking it fits;
   returns the step to continue from (0: there was no checkpoint).
 
+  The last checkpoint is the latest complete step (``recipes.checkpoint.complete_steps``: a
+  step folder without its metadata files is skipped with a warning naming it).
+
   Raises:
     TrainConfigError: the checkpoint belongs to another model.
+    CheckpointError: the latest step's arrays cannot be read; the message names its folder
+      and says to move it away to resume from the step before.
   """
   step = ckpt.latest_step()
   if step is None:
@@ -148,7 +153,8 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
     return 0
   meta = ckpt.meta(step)
   saved_config = meta.get("config", {})
-  saved_shapes = _state_shapes(ckpt.manager.item_metadata(step)["state"].tree)
+  fix = move_aside_fix(ckpt.directory, step)
+  saved_shapes = _state_shapes(ckpt.state_metadata(step, fix=fix))
   problems = mismatches(config, saved_config, saved_shapes, _state_shapes(run.state))
   if problems:
     raise TrainConfigError(format_message(
@@ -159,7 +165,7 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
         f"{', '.join('model.' + f for f in runtime_fields())}: they change how the step is "
         "computed, not the weights), or start a new run with resume=false "
         f"out_dir={free_name(pathlib.Path(config.out_dir))}."))
-  run.state = ckpt.restore_like(step, run.state)
+  run.state = ckpt.restore_like(step, run.state, fix=fix)
   metrics_log.truncate_after(step)
   changed = [f"{k} {saved_config[k]} -> {getattr(config, k)}"
              for k in ("preset", "mesh", "microbatches")
@@ -180,6 +186,18 @@ def resume(config, run, ckpt, metrics_log, say) -> int:
   if note := schedule_note(saved_config.get("steps"), config.steps, step, run, metrics_log):
     say(note)
   return step
+
+
+def move_aside_fix(directory: pathlib.Path, step: int) -> str:
+  """The fix for a damaged latest step on ``resume=true``: which folder to move away so that
+  the run resumes from the step before it (``resume=true`` has no step to choose)."""
+  from recipes.checkpoint import complete_steps
+  folder = pathlib.Path(directory).absolute() / str(step)
+  earlier = [s for s in complete_steps(directory, warn=False) if s < step]
+  then = (f"to resume from step {earlier[-1]}, the latest step before it." if earlier else
+          "to start again from step 0 (there is no complete step before it).")
+  return (f"resume=true continues from the latest step: delete {folder} or move it out of "
+          f"{folder.parent} {then}")
 
 
 def schedule_note(saved_steps: int | None, steps: int, step: int, run, metrics_log
