@@ -273,7 +273,7 @@ def predict(row: Row, chip: chips_lib.Chip | None = None) -> Prediction:
   t = roofline.step_time(flops=est.flops, hbm_bytes=est.hbm_bytes, comm_s=est.comm_s,
                          chip=chip, model_flops=est.model_flops, devices=row.devices,
                          terms=est.terms, dcn_axes={a for a, v in links.items() if v.dcn},
-                         serial_axes=est.serial_axes, bubble=est.bubble)
+                         serial_axes=est.serial_axes)
   return Prediction(row, t.step_s, t.mfu, t.bound, est.memory["total"], t)
 
 

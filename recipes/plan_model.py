@@ -266,16 +266,16 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
   scores_per_token = heads * seq_len          # score elements per query token and block
   # a pipeline saves every iteration's residuals, the bubble's too (:func:`_pipeline_shape`),
   # and runs one block's backward on one pipeline micro-batch of tokens / m at a time
-  saved_factor = pipe.bubble if pipe else 1.0
+  bubble = pipe.bubble if pipe else 1.0
   live_tokens = tokens / pipe.m if pipe else tokens
   attention_temp = scores_per_token * (live_tokens * temp_scores
-                                       + saved_factor * tokens * local_layers * saved_scores)
+                                       + bubble * tokens * local_layers * saved_scores)
   # logits: the compute-dtype matmul output, its fp32 copy, softmax and gradient, for the
   # whole micro-batch or one chunk of the chunked cross-entropy (model.loss_chunk)
   chunk = getattr(c, "loss_chunk", 0) or 0
   logit_tokens = rows_mb * _loss_chunk_tokens(chunk, seq_len) / size(seq) if chunk else tokens
   logits = logit_tokens * vocab * (4 * 3 + a)
-  acts = (saved_factor * tokens * local_layers * per_token[0] + live_tokens * per_token[1]
+  acts = (bubble * tokens * local_layers * per_token[0] + live_tokens * per_token[1]
           + attention_temp + logits)
   if pipe:   # each iteration's chunk of this stage's layers, sliced from the stack by the
     # iteration's repeat, is a residual of the schedule's loop: kept once per iteration
@@ -330,9 +330,8 @@ def estimate(params: Sequence[ParamShape], model: Any, rules, mesh: Mapping[str,
       act_bytes=a, param_bytes=_param_itemsize(params), local_params=_elements(local, params),
       gathered_params=gathered_elems, remat=remat, attention=impl, chunked_loss=bool(chunk),
       experts=experts, expert_slots=slots, pipeline_microbatches=pipe.m if pipe else 1,
-      bubble=pipe.bubble if pipe else 1.0, pipelined_params=stacked_elems if pipe else None)
+      bubble=bubble, pipelined_params=stacked_elems if pipe else None)
   terms = cost_model.step_terms(shape, chip)
-  bubble = pipe.bubble if pipe else 1.0
   # the experts' all-to-alls sit between the router and the experts' matmuls, as
   # tensor-parallel all-reduces sit between two matmuls
   serial = tuple(ax for ax in mesh if ax in set(tensor) | set(seq) | set(stages)

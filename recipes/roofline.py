@@ -161,7 +161,6 @@ class StepTime:
     mfu: model FLOPs / (devices x peak x step time).
     terms: per phase, seconds per op class (``{}`` for the bare roofline).
     roofline_s: the bare roofline (datasheet peaks, perfect overlap): a lower bound.
-    bubble: the pipeline's factor on its block stack (in ``terms``, not on the whole step).
     band: the relative uncertainty of ``step_s`` (the chip's calibration band; 0 for the
       bare roofline, which is a bound, not a prediction).
   """
@@ -176,7 +175,6 @@ class StepTime:
   mfu: float
   terms: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
   roofline_s: float = 0.0
-  bubble: float = 1.0
   band: float = 0.0
 
   def to_dict(self) -> dict:
@@ -187,8 +185,7 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
               comm_s: Mapping[str, Mapping[str, float]], chip: Chip, model_flops: float,
               devices: int, terms: Mapping[str, Mapping[str, float]] | None = None,
               dcn_axes: frozenset[str] | set[str] = frozenset(),
-              serial_axes: frozenset[str] | set[str] | tuple = frozenset(), bubble: float = 1.0
-              ) -> StepTime:
+              serial_axes: frozenset[str] | set[str] | tuple = frozenset()) -> StepTime:
   """The step time from per-device, per-phase figures.
 
   Without ``terms``: the bare roofline (each phase the longest of FLOPs at peak, HBM
@@ -203,8 +200,8 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
   all-reduce sits between two matmuls that need its result). A pipeline's bubble is in the
   ``terms`` already, on the block stack alone (:func:`recipes.cost_model.step_terms`: the
   head, the loss and the optimizer update run once, outside the stage loop), and the
-  collectives are counted as the schedule runs them (a stage hand-off per iteration), so
-  ``bubble`` is only recorded in the result.
+  collectives are counted as the schedule runs them (a stage hand-off per iteration).
+  ``Estimate.bubble`` records the factor.
 
   Args:
     flops: per phase, FLOPs one device executes.
@@ -216,7 +213,6 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
     terms: per phase, per op class, seconds (calibrated model) or ``None``.
     dcn_axes: mesh axes that span hosts (their collectives are not hidden).
     serial_axes: mesh axes whose collectives are on the critical path (not hidden).
-    bubble: the pipeline's factor ``(r m + p - 1) / (r m)``, recorded (``terms`` hold it).
 
   >>> from recipes.chips import get_chip
   >>> t = step_time(flops={'forward': 1e12, 'backward': 2e12},
@@ -259,4 +255,4 @@ def step_time(*, flops: Mapping[str, float], hbm_bytes: Mapping[str, float],
   mfu = model_flops / (devices * chip.bf16_flops * step) if step > 0 else 0.0
   return StepTime(compute, memory, comm, by_axes, step, bound, axes, mfu,
                   {p: dict(terms.get(p, {})) for p in PHASES} if terms is not None else {},
-                  roof, bubble, band)
+                  roof, band)

@@ -106,7 +106,7 @@ def evaluate(c: Candidate, est: plan_model.Estimate, compiled: dict | None, chip
       comm_s=comm_s, chip=chip, model_flops=est.model_flops, devices=devices,
       terms=None if roofline_only else est.terms,
       dcn_axes={a for a, link in links.items() if link.dcn},
-      serial_axes=est.serial_axes, bubble=est.bubble)
+      serial_axes=est.serial_axes)
   memory, label = _memory_per_device(est, compiled)
   return Result(c, est, compiled, t, memory, memory <= chip.hbm_bytes, label)
 
