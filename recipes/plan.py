@@ -99,16 +99,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                       help="search only this preset (repeatable)")
   parser.add_argument("--remat", action="append", default=None,
                       help=f"remat policies to search (default: {', '.join(DEFAULT_REMATS)})")
-  parser.add_argument("--max-microbatches", type=_microbatches, default=8,
+  parser.add_argument("--max-microbatches", type=_microbatches, default=_MICROBATCHES,
                       metavar="K",
                       help="the most micro-batches per step to search (gradient accumulation, "
                            "the config's microbatches): 1, 2, 4, ... up to K, dividing the "
-                           "rows per device; 1 or more (default 8; 1: no accumulation)")
+                           "rows per device; 1 or more (default %(default)s; 1: no accumulation)")
   parser.add_argument("--compile", type=int, default=4, metavar="K", dest="compile_top",
                       help="compile the best K plans that fit the screen (default 4; 0: "
                            f"analytic only; never above {MAX_COMPILE_DEVICES} devices)")
-  parser.add_argument("--top", type=_rows, default=15, metavar="K",
-                      help="rows to show (and plans in --json), 1 or more (default 15)")
+  parser.add_argument("--top", type=_rows, default=_ROWS, metavar="K",
+                      help="rows to show (and plans in --json), 1 or more (default %(default)s)")
   parser.add_argument("--json", action="store_true", help="print the ranked plans as JSON")
   parser.add_argument("--out", default=DEFAULT_OUT,
                       help=f"where to write the best plan's config (default {DEFAULT_OUT}); "
@@ -156,10 +156,11 @@ def _at_least_one(option: str, unit: str, refusal: str, default: int,
 
 
 # --top 0 printed an empty table and exited 0; a negative K dropped rows from the end.
-_rows = _at_least_one("--top", "rows", "shows no plans", 15)
+_ROWS, _MICROBATCHES = 15, 8   # the defaults of --top and --max-microbatches
+_rows = _at_least_one("--top", "rows", "shows no plans", _ROWS)
 # --max-microbatches 0 or below searched no micro-batch count at all, silently.
 _microbatches = _at_least_one("--max-microbatches", "micro-batches", "allows no micro-batch "
-                              "count", 8, one="1: one micro-batch per step")
+                              "count", _MICROBATCHES, one="1: one micro-batch per step")
 
 
 def _attention_override(overrides: list[str], flag: str | None) -> tuple[list[str], str | None]:

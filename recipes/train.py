@@ -246,7 +246,7 @@ def run_problems(config: TrainConfig, rules, mesh) -> list[str]:
   missing = [a for a in wanted if a not in mesh.shape]
   problems, by_override = _override_axis_problems(config, rules, dict(mesh.shape))
   if preset_missing := [a for a in missing if a not in by_override]:
-    have = "{" + ", ".join(f"{k}: {v}" for k, v in config.mesh.items()) + "}"
+    have = _mesh_text(config.mesh)
     problems.append(
         f"preset={config.preset} shards over the mesh axes {wanted}, but mesh={have} has no "
         f"{', '.join(repr(a) for a in preset_missing)}: use e.g. "
